@@ -1,0 +1,20 @@
+"""The reference model: pure Python (stdlib + numpy), never imports torch."""
+
+from meshsim.model.conventions import CONVENTIONS, expect
+from meshsim.model.expected import ROLES, Expected, Kind
+from meshsim.model.groups import Group, Groups
+from meshsim.model.layout import Layout
+from meshsim.model.sweep import LayoutCase, layouts
+
+__all__ = [
+    "CONVENTIONS",
+    "ROLES",
+    "Expected",
+    "Group",
+    "Groups",
+    "Kind",
+    "Layout",
+    "LayoutCase",
+    "expect",
+    "layouts",
+]

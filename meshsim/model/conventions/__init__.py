@@ -1,0 +1,72 @@
+"""The registry of framework conventions: one module per framework, imported on first use.
+
+Each convention module provides:
+
+* ``expect(world_size, **config) -> Expected`` with the framework's own parameter names;
+* ``configs(world_size, **options) -> Iterator[dict]``: every valid config for a world size;
+* ``PARAMETERS``: config key -> one-line description (used by the CLI's flags and help).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType, ModuleType
+from typing import Any, Final, Protocol, cast
+
+from meshsim.errors import LayoutError
+from meshsim.model.expected import Expected
+
+#: framework name -> module implementing its convention.
+CONVENTIONS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "torch": "meshsim.model.conventions.torch_mesh",
+        "olmo-core": "meshsim.model.conventions.olmo_core",
+        "torchtitan": "meshsim.model.conventions.torchtitan",
+        "megatron": "meshsim.model.conventions.megatron",
+        "megatron-deepspeed": "meshsim.model.conventions.megatron_deepspeed",
+        "deepspeed": "meshsim.model.conventions.deepspeed",
+    }
+)
+
+
+class Convention(Protocol):
+    PARAMETERS: Mapping[str, str]
+
+    def expect(self, world_size: int, **config: Any) -> Expected: ...
+
+    def configs(self, world_size: int, **options: Any) -> Iterator[dict[str, Any]]: ...
+
+
+def convention(framework: str) -> Convention:
+    """The module implementing ``framework``'s convention."""
+    if framework not in CONVENTIONS:
+        raise LayoutError(
+            f"unknown framework {framework!r}; known frameworks: {', '.join(CONVENTIONS)}"
+        )
+    module: ModuleType = importlib.import_module(CONVENTIONS[framework])
+    return cast(Convention, module)
+
+
+def expect(framework: str, world_size: int, **config: Any) -> Expected:
+    """Every group ``framework`` creates for ``config`` on ``world_size`` ranks.
+
+    Example: ``expect("torch", world_size=8, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"))
+    .groups("tp")`` is ``Groups([(0, 1, 2, 3), (4, 5, 6, 7)])``.
+    """
+    validate_world_size(world_size)
+    return convention(framework).expect(world_size, **config)
+
+
+def validate_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise LayoutError(f"world_size must be an integer >= 1, got {world_size!r}")
+
+
+def reject_unknown(framework: str, config: Mapping[str, Any], parameters: Mapping[str, str]) -> None:
+    """Raise for config keys the framework does not take, listing the ones it does."""
+    unknown = sorted(set(config) - set(parameters))
+    if unknown:
+        raise LayoutError(
+            f"{framework} takes no config key(s) {unknown}; its keys are: {', '.join(parameters)}"
+        )

@@ -1,0 +1,197 @@
+"""Expected: every group a framework builds for one config, by kind and by role."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final, Literal, final
+
+from meshsim.errors import LayoutError
+from meshsim.model.groups import Group, Groups
+from meshsim.model.layout import Layout
+
+Role = Literal[
+    "data_parallel",
+    "gradient_reduce",
+    "tensor",
+    "context",
+    "pipeline",
+    "expert",
+    "expert_data",
+    "embedding",
+    "loss",
+]
+
+#: meshsim's cross-framework names for what a group is *for*.
+ROLES: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "data_parallel": "ranks that load different batches (the data loader's DP group; no CP)",
+        "gradient_reduce": "ranks whose gradients are reduced or sharded together (DP with CP folded in)",
+        "tensor": "tensor-parallel peers: shard each layer's weights",
+        "context": "context/sequence-parallel peers: shard the sequence",
+        "pipeline": "pipeline stages of one model replica, in stage order",
+        "expert": "expert-parallel peers: hold different experts",
+        "expert_data": "ranks holding the same experts: reduce expert gradients together",
+        "embedding": "ranks that tie the input embedding and the output head (first/last stage)",
+        "loss": "ranks over which the loss and token counts are all-reduced",
+    }
+)
+
+GroupSource = Groups | Callable[[], Groups] | LayoutError
+
+
+@final
+@dataclass(frozen=True, eq=False)
+class Kind:
+    """One kind of group a framework creates, named as its users name it.
+
+    ``source`` is the groups, a zero-argument function that computes them when first asked
+    (so a million-rank world pays only for the kinds it queries), or the :class:`LayoutError`
+    the framework raises when asked for this kind under this config.
+    ``partition`` says whether the kind's groups cover every rank exactly once (embedding
+    groups and p2p pairs do not). ``mesh_dims``/``mesh_shape`` describe a multi-dim sub-mesh
+    whose flattened ranks make each group (OLMo-core's 2-D HSDP mesh, for instance).
+    """
+
+    name: str
+    description: str
+    source: GroupSource
+    partition: bool = True
+    mesh_dims: tuple[str, ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    _cache: list[Groups] = field(default_factory=list, repr=False)
+
+    @property
+    def available(self) -> bool:
+        return not isinstance(self.source, LayoutError)
+
+    def groups(self) -> Groups:
+        if isinstance(self.source, LayoutError):
+            raise self.source
+        if not self._cache:
+            groups = self.source if isinstance(self.source, Groups) else self.source()
+            self._cache.append(groups)
+        return self._cache[0]
+
+
+def layout_kind(
+    layout: Layout,
+    name: str,
+    description: str,
+    *dims: str,
+    partition: bool = True,
+) -> Kind:
+    """A kind whose groups span ``dims`` of ``layout`` (computed on first use)."""
+    spanned = dims or layout.dim_names
+    shape = tuple(layout.size_of(d) for d in spanned)
+    return Kind(
+        name,
+        description,
+        lambda: layout.groups(*spanned),
+        partition=partition,
+        mesh_dims=tuple(spanned),
+        mesh_shape=shape,
+    )
+
+
+@final
+class Expected:
+    """Every group one framework config creates: the reference a live mesh is checked against.
+
+    ``groups`` takes a kind (``"dp-cp"``, ``"get_dp_model_mesh"``, ``"data"``) or a role
+    (``"gradient_reduce"``); a kind wins when a name is both.
+
+    Example::
+
+        exp = meshsim.expect("megatron", world_size=16, tensor_model_parallel_size=2,
+                             pipeline_model_parallel_size=4)
+        exp.groups("dp")[0] == (0, 2)
+        exp.kind_of("tensor") == "tp"
+    """
+
+    __slots__ = ("_kinds", "_roles", "config", "framework", "layout", "world_size")
+
+    def __init__(
+        self,
+        framework: str,
+        world_size: int,
+        config: Mapping[str, Any],
+        kinds: Iterable[Kind],
+        roles: Mapping[str, str],
+        layout: Layout | None = None,
+    ) -> None:
+        self.framework = framework
+        self.world_size = world_size
+        self.config: Mapping[str, Any] = MappingProxyType(dict(config))
+        self.layout = layout
+        self._kinds = {k.name: k for k in kinds}
+        unknown_roles = set(roles) - set(ROLES)
+        if unknown_roles:
+            raise ValueError(f"unknown roles {sorted(unknown_roles)}; roles are {list(ROLES)}")
+        missing = {r: k for r, k in roles.items() if k not in self._kinds}
+        if missing:
+            raise ValueError(f"roles map to unknown kinds: {missing}")
+        self._roles = MappingProxyType(dict(roles))
+
+    # -- kinds ----------------------------------------------------------------------------
+    def kinds(self) -> dict[str, str]:
+        """Available kinds, each with a one-line description, in the framework's order."""
+        return {n: k.description for n, k in self._kinds.items() if k.available}
+
+    def unavailable(self) -> dict[str, LayoutError]:
+        """Kinds whose getter raises under this config, with the error the framework gives."""
+        return {n: k.source for n, k in self._kinds.items() if isinstance(k.source, LayoutError)}
+
+    def kind(self, name: str) -> Kind:
+        """The :class:`Kind` behind a kind or role name."""
+        if name in self._kinds:
+            return self._kinds[name]
+        if name in self._roles:
+            return self._kinds[self._roles[name]]
+        raise LayoutError(
+            f"{self.framework} has no group kind or role {name!r}; kinds: "
+            f"{list(self._kinds)}; roles: {list(self._roles)}"
+        )
+
+    @property
+    def roles(self) -> Mapping[str, str]:
+        """meshsim role -> this framework's kind."""
+        return self._roles
+
+    def kind_of(self, role: str) -> str:
+        if role not in self._roles:
+            raise LayoutError(
+                f"{self.framework} has no group for role {role!r} under this config; "
+                f"roles present: {list(self._roles)}"
+            )
+        return self._roles[role]
+
+    # -- groups ---------------------------------------------------------------------------
+    def groups(self, kind: str) -> Groups:
+        return self.kind(kind).groups()
+
+    def group_of(self, rank: int, kind: str) -> Group | None:
+        """The group of ``kind`` holding ``rank`` (None when the rank is in none, e.g. a middle
+        pipeline stage and the embedding group)."""
+        self._check_rank(rank)
+        return self.groups(kind).group_of(rank)
+
+    def local_rank(self, rank: int, kind: str) -> int | None:
+        self._check_rank(rank)
+        return self.groups(kind).local_rank(rank)
+
+    def pipeline_neighbors(self, rank: int) -> tuple[int, int]:
+        """(previous, next) stage of ``rank`` in its pipeline group, wrapping around."""
+        group = self.group_of(rank, "pipeline")
+        assert group is not None  # the pipeline role partitions the world
+        at = group.index(rank)
+        return group[at - 1], group[(at + 1) % len(group)]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside world size {self.world_size}")
+
+    def __repr__(self) -> str:
+        cfg = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"Expected({self.framework!r}, world_size={self.world_size}, {cfg})"

@@ -1,0 +1,153 @@
+"""Groups: a family of rank groups held as one integer array, compared as a set."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, final
+
+import numpy as np
+import numpy.typing as npt
+
+Group = tuple[int, ...]
+
+
+@final
+class Groups:
+    """A family of equally sized rank groups, one row per group, members in local-rank order.
+
+    Two families are equal when they hold the same groups, whatever the order of the groups
+    (frameworks enumerate them differently) but with the same order *inside* each group (that
+    order is the local rank, so it matters).
+
+    Example: a ``(dp, tp) = (2, 4)`` mesh has tp groups ``Groups([(0, 1, 2, 3), (4, 5, 6, 7)])``;
+    ``groups.group_of(5) == (4, 5, 6, 7)`` and ``groups.local_rank(5) == 1``.
+    """
+
+    __slots__ = ("_first_index", "_rows")
+
+    def __init__(self, rows: Iterable[Iterable[int]] | npt.ArrayLike) -> None:
+        array = np.asarray(rows if not isinstance(rows, Iterator) else list(rows), dtype=np.int64)
+        if array.size == 0:
+            array = array.reshape(0, 0)
+        if array.ndim != 2:
+            raise ValueError(f"groups must be a list of equally sized groups, got shape {array.shape}")
+        array.flags.writeable = False
+        self._rows = array
+        self._first_index: npt.NDArray[np.int64] | None = None
+
+    @classmethod
+    def from_array(cls, array: npt.NDArray[np.int64]) -> Groups:
+        """Wrap a 2-D array without copying it (the caller gives up the right to change it)."""
+        return cls(array)
+
+    # -- container protocol ---------------------------------------------------------------
+    @property
+    def array(self) -> npt.NDArray[np.int64]:
+        """The groups as a read-only ``(num_groups, group_size)`` int64 array."""
+        return self._rows
+
+    @property
+    def group_size(self) -> int:
+        return int(self._rows.shape[1])
+
+    def __len__(self) -> int:
+        return int(self._rows.shape[0])
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter(self.to_tuples())
+
+    def __getitem__(self, index: int) -> Group:
+        return tuple(self._rows[index].tolist())
+
+    def to_tuples(self) -> tuple[Group, ...]:
+        return tuple(map(tuple, self._rows.tolist()))
+
+    def ranks(self) -> npt.NDArray[np.int64]:
+        """Every member of every group, sorted (repeats kept)."""
+        return np.sort(self._rows, axis=None)
+
+    # -- per-rank queries -----------------------------------------------------------------
+    def _index(self) -> npt.NDArray[np.int64]:
+        """rank -> index of the first group holding it (-1 when none), built once."""
+        if self._first_index is None:
+            flat = self._rows.ravel()
+            size = int(flat.max()) + 1 if flat.size else 0
+            index = np.full(size, -1, dtype=np.int64)
+            group_ids = np.repeat(np.arange(len(self), dtype=np.int64), self.group_size)
+            # Reversed assignment so that the first group holding a rank wins.
+            index[flat[::-1]] = group_ids[::-1]
+            self._first_index = index
+        return self._first_index
+
+    def _row_of(self, rank: int) -> int:
+        index = self._index()
+        if 0 <= rank < index.size:
+            return int(index[rank])
+        return -1
+
+    def group_of(self, rank: int) -> Group | None:
+        """The first group holding ``rank``, or None when no group holds it."""
+        row = self._row_of(rank)
+        return None if row < 0 else self[row]
+
+    def local_rank(self, rank: int) -> int | None:
+        """``rank``'s position inside its group, or None when no group holds it."""
+        row = self._row_of(rank)
+        if row < 0:
+            return None
+        return int(np.flatnonzero(self._rows[row] == rank)[0])
+
+    def local_ranks(self, world_size: int) -> npt.NDArray[np.int64]:
+        """Local rank of every rank ``0..world_size-1`` (-1 when in no group), vectorised."""
+        out = np.full(world_size, -1, dtype=np.int64)
+        positions = np.broadcast_to(np.arange(self.group_size, dtype=np.int64), self._rows.shape)
+        out[self._rows[::-1].ravel()] = positions[::-1].ravel()
+        return out
+
+    # -- set semantics --------------------------------------------------------------------
+    def canonical(self) -> npt.NDArray[np.int64]:
+        """Rows sorted lexicographically: the form two equal families share."""
+        if len(self) == 0:
+            return self._rows
+        order = np.lexsort(self._rows.T[::-1])
+        return self._rows[order]
+
+    def is_partition_of(self, world_size: int) -> bool:
+        """True when every rank ``0..world_size-1`` sits in exactly one group."""
+        return bool(
+            self._rows.size == world_size
+            and np.array_equal(self.ranks(), np.arange(world_size, dtype=np.int64))
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Groups):
+            try:
+                other = Groups(other)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                return NotImplemented
+        return self._rows.shape == other._rows.shape and np.array_equal(
+            self.canonical(), other.canonical()
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._rows.shape, self.canonical().tobytes()))
+
+    def __repr__(self) -> str:
+        head = map(tuple, self._rows[:8].tolist())
+        return f"Groups({format_groups(head, total=len(self))})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Groups, (self._rows.tolist(),))
+
+
+def format_groups(groups: Iterable[Group], limit: int = 8, total: int | None = None) -> str:
+    """``[(0, 1), (2, 3), ... 6 more]`` with at most ``limit`` groups spelled out."""
+    shown: list[str] = []
+    seen = 0
+    for group in groups:
+        seen += 1
+        if len(shown) < limit:
+            shown.append("(" + ", ".join(map(str, group)) + ("," if len(group) == 1 else "") + ")")
+    total = seen if total is None else total
+    more = f", ... {total - len(shown)} more" if total > len(shown) else ""
+    return "[" + ", ".join(shown) + more + "]"

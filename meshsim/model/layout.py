@@ -1,0 +1,529 @@
+"""Layout: a named-axis rank grid with DeviceMesh's slicing, flattening and unflattening rules.
+
+A Layout is a value. It holds the root grid (every rank of the world, one array axis per root
+axis), the dims this view exposes (root axes, or flattened aliases of several root axes), and the
+alias table of its root. ``flatten`` therefore returns a *new* Layout whose root knows the alias;
+``layout.root()`` gives that root back, the way ``DeviceMesh._get_root_mesh()`` does.
+
+Every query is numpy index arithmetic over the grid: all groups of a dim are one transpose and one
+reshape, and per-rank queries cost O(ndim).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from meshsim.errors import LayoutError
+from meshsim.model.groups import Group, Groups
+
+AxisSpec = tuple[str, int]
+
+
+class Layout:
+    """Ranks laid out row-major over named axes, outermost first (last axis fastest).
+
+    Example: ``Layout(dp=2, tp=4)`` puts tp groups at ``(0, 1, 2, 3)``, ``(4, 5, 6, 7)`` and dp
+    groups at ``(0, 4)``, ``(1, 5)``, ``(2, 6)``, ``(3, 7)``, as ``init_device_mesh((2, 4),
+    mesh_dim_names=("dp", "tp"))`` does.
+    """
+
+    __slots__ = ("_aliases", "_dims", "_grid", "_identity", "_named", "_names", "_position")
+
+    def __init__(self, axes: Iterable[AxisSpec] | Mapping[str, int] = (), /, **sizes: int) -> None:
+        pairs = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
+        pairs += list(sizes.items())
+        if not pairs:
+            raise LayoutError("a Layout needs at least one axis, e.g. Layout(dp=4)")
+        names = [str(name) for name, _ in pairs]
+        shape = [_check_size(name, size) for name, size in pairs]
+        _check_unique(names)
+        grid = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+        self._init(grid, tuple(names), tuple(names), {}, named=True)
+
+    # -- construction ---------------------------------------------------------------------
+    def _init(
+        self,
+        grid: npt.NDArray[np.int64],
+        names: tuple[str, ...],
+        dims: tuple[str, ...],
+        aliases: Mapping[str, tuple[int, ...]],
+        *,
+        named: bool,
+    ) -> None:
+        grid.flags.writeable = False
+        self._grid = grid
+        self._names = names
+        self._dims = dims
+        self._aliases = dict(aliases)
+        self._named = named
+        self._position: npt.NDArray[np.int64] | None = None
+        self._identity: bool | None = None
+
+    @classmethod
+    def _make(
+        cls,
+        grid: npt.NDArray[np.int64],
+        names: tuple[str, ...],
+        dims: tuple[str, ...],
+        aliases: Mapping[str, tuple[int, ...]],
+        *,
+        named: bool = True,
+    ) -> Layout:
+        layout = cls.__new__(cls)
+        layout._init(grid, names, dims, aliases, named=named)
+        return layout
+
+    @classmethod
+    def from_order(cls, order: str, **sizes: int) -> Layout:
+        """Megatron order string, fastest axis first: ``"tp-dp-pp"`` is the row-major (pp, dp, tp).
+
+        Axes missing from ``order`` are appended as the slowest when their size is 1; a missing
+        axis of size > 1 is an error, as in megatron-core's ``RankGenerator``.
+
+        Example: ``Layout.from_order("tp-dp-pp", tp=2, dp=3, pp=4)`` has dp groups
+        ``(0, 2, 4)``, ``(1, 3, 5)``, ... ``(19, 21, 23)``.
+        """
+        tokens = [t for t in order.split("-") if t] if order else []
+        _check_unique(tokens, what="order tokens")
+        unknown = [t for t in tokens if t not in sizes]
+        if unknown:
+            raise LayoutError(
+                f"order {order!r} names {unknown} but no size was given for "
+                f"{'it' if len(unknown) == 1 else 'them'}; sizes given: {sorted(sizes)}"
+            )
+        for name, size in sizes.items():
+            if name not in tokens:
+                if _check_size(name, size) != 1:
+                    raise LayoutError(
+                        f"The size of ({name}) is ({size}), but you haven't specified the order "
+                        f"({order!r}).",
+                        upstream="RuntimeError",
+                    )
+                tokens.append(name)
+        return cls([(t, sizes[t]) for t in reversed(tokens)])
+
+    @classmethod
+    def from_topology(cls, axes: Sequence[str], dims: Sequence[int]) -> Layout:
+        """DeepSpeed ``ProcessTopology(axes, dims)``: row-major, last axis fastest."""
+        if len(axes) != len(dims):
+            raise LayoutError(f"axes {list(axes)} and dims {list(dims)} differ in length")
+        return cls(list(zip(axes, dims)))
+
+    @classmethod
+    def from_mesh(cls, mesh: npt.ArrayLike, names: Sequence[str] | None = None) -> Layout:
+        """An explicit rank tensor, as ``DeviceMesh("cpu", mesh=[[0, 2], [1, 3]])`` takes.
+
+        ``names=None`` gives an unnamed layout: it answers queries by dim index but cannot be
+        sliced or flattened (torch's rule for meshes without ``mesh_dim_names``).
+        """
+        grid = np.array(mesh, dtype=np.int64)
+        if grid.ndim == 0 or grid.size == 0:
+            raise LayoutError(f"mesh must be a non-empty rank tensor, got {mesh!r}")
+        if (grid < 0).any():
+            raise LayoutError(f"mesh holds negative ranks: {sorted(set(grid[grid < 0].tolist()))}")
+        if np.unique(grid).size != grid.size:
+            values, counts = np.unique(grid, return_counts=True)
+            raise LayoutError(f"mesh repeats ranks {values[counts > 1].tolist()}")
+        if names is None:
+            auto = tuple(f"dim{i}" for i in range(grid.ndim))
+            return cls._make(grid, auto, auto, {}, named=False)
+        names = tuple(names)
+        if len(names) != grid.ndim:
+            raise LayoutError(
+                f"mesh_shape and mesh_dim_names should have same length! Found {grid.ndim} "
+                f"and {len(names)}.",
+                upstream="RuntimeError",
+            )
+        _check_unique(names)
+        return cls._make(grid, names, names, {}, named=True)
+
+    # -- what this view is ----------------------------------------------------------------
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        """The dims this view exposes, in order (root axes or flattened aliases)."""
+        return self._dims
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._dim_size(d) for d in self._dims)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._dims)
+
+    @property
+    def size(self) -> int:
+        """Ranks in one sub-mesh of this view (the product of ``shape``)."""
+        return math.prod(self.shape)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks covered by the root grid."""
+        return int(self._grid.size)
+
+    @property
+    def root_names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def root_shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self._grid.shape)
+
+    @property
+    def aliases(self) -> dict[str, tuple[str, ...]]:
+        """Flattened names registered on the root, each with the root axes it spans."""
+        return {a: tuple(self._names[i] for i in axes) for a, axes in self._aliases.items()}
+
+    @property
+    def mesh(self) -> npt.NDArray[np.int64]:
+        """The root grid (read-only): ``mesh[c0, c1, ...]`` is the rank at that coordinate."""
+        return self._grid
+
+    @property
+    def is_root(self) -> bool:
+        return self._dims == self._names
+
+    def root(self) -> Layout:
+        """The root view: every root axis, with every registered alias."""
+        return Layout._make(self._grid, self._names, self._names, self._aliases, named=self._named)
+
+    def ranks(self) -> npt.NDArray[np.int64]:
+        """All ranks of the grid, ascending."""
+        return np.sort(self._grid, axis=None)
+
+    # -- name resolution ------------------------------------------------------------------
+    def _axes_of(self, dim: str | int) -> tuple[int, ...]:
+        """Root axis indices a dim spans (several for a flattened alias)."""
+        if isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
+            if not -self.ndim <= dim < self.ndim:
+                raise LayoutError(
+                    f"dim index {dim} is out of range for a {self.ndim}-D layout {self.dim_names}"
+                )
+            dim = self._dims[dim]
+        if dim in self._names:
+            return (self._names.index(dim),)
+        if dim in self._aliases:
+            return self._aliases[dim]
+        valid = list(self._dims) + [a for a in self._aliases if a not in self._dims]
+        raise LayoutError(f"Mesh dimension {dim!r} does not exist; valid dims: {valid}", upstream="KeyError")
+
+    def _dim_size(self, dim: str | int) -> int:
+        return math.prod(int(self._grid.shape[a]) for a in self._axes_of(dim))
+
+    def _resolve(self, dims: Sequence[str | int]) -> tuple[int, ...]:
+        """Root axes spanned by ``dims`` (all visible dims when empty), in root order."""
+        if not dims:
+            dims = self._dims
+        axes: list[int] = []
+        for d in dims:
+            for a in self._axes_of(d):
+                if a in axes:
+                    raise LayoutError(f"dims {tuple(dims)} overlap on root axis {self._names[a]!r}")
+                axes.append(a)
+        return tuple(sorted(axes))
+
+    def size_of(self, dim: str | int) -> int:
+        """Size of one dim (a flattened alias has the product of its axes)."""
+        return self._dim_size(dim)
+
+    # -- per-rank queries, O(ndim) --------------------------------------------------------
+    def _root_coordinate(self, rank: int) -> tuple[int, ...]:
+        rank = int(rank)
+        if self._identity is None:
+            self._identity = _is_identity(self._grid)
+            if not self._identity:
+                position = np.full(int(self._grid.max()) + 1, -1, dtype=np.int64)
+                position[self._grid.ravel()] = np.arange(self._grid.size, dtype=np.int64)
+                self._position = position
+        if self._position is None:
+            flat = rank if 0 <= rank < self._grid.size else -1
+        else:
+            flat = int(self._position[rank]) if 0 <= rank < self._position.size else -1
+        if flat < 0:
+            raise LayoutError(f"rank {rank} is not in this layout (world size {self.world_size})")
+        return tuple(int(c) for c in np.unravel_index(flat, self._grid.shape))
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """``rank``'s index along every dim of this view (an alias gets its flattened index)."""
+        root = self._root_coordinate(rank)
+        out = {}
+        for dim in self._dims:
+            axes = self._axes_of(dim)
+            out[dim] = _ravel([root[a] for a in axes], [self._grid.shape[a] for a in axes])
+        return out
+
+    def rank(self, **coordinate: int) -> int:
+        """The rank at a full coordinate (root axes, or aliases standing for them)."""
+        root: dict[int, int] = {}
+        for name, value in coordinate.items():
+            axes = self._axes_of(name)
+            sizes = [int(self._grid.shape[a]) for a in axes]
+            if not 0 <= value < math.prod(sizes):
+                raise LayoutError(f"coordinate {name}={value} is out of range 0..{math.prod(sizes) - 1}")
+            for a, c in zip(axes, np.unravel_index(value, sizes)):
+                if a in root:
+                    raise LayoutError(f"coordinate names root axis {self._names[a]!r} twice")
+                root[a] = int(c)
+        missing = [self._names[a] for a in range(self._grid.ndim) if a not in root]
+        if missing:
+            raise LayoutError(
+                f"rank() needs every axis; missing {missing}. Use filter() for partial coordinates."
+            )
+        return int(self._grid[tuple(root[a] for a in range(self._grid.ndim))])
+
+    def group_of(self, rank: int, *dims: str | int) -> Group:
+        """The group spanning ``dims`` (all of this view's dims when none) that holds ``rank``."""
+        axes = self._resolve(dims)
+        root = self._root_coordinate(rank)
+        index = tuple(slice(None) if a in axes else root[a] for a in range(self._grid.ndim))
+        return tuple(self._grid[index].ravel().tolist())
+
+    def local_rank(self, rank: int, *dims: str | int) -> int:
+        """``rank``'s index inside its group spanning ``dims``."""
+        axes = self._resolve(dims)
+        root = self._root_coordinate(rank)
+        return _ravel([root[a] for a in axes], [self._grid.shape[a] for a in axes])
+
+    def mesh_of(self, rank: int) -> npt.NDArray[np.int64]:
+        """The sub-mesh tensor ``rank`` sees for this view (``DeviceMesh.mesh`` on that rank)."""
+        group = np.asarray(self.group_of(rank), dtype=np.int64)
+        return group.reshape(self.shape)
+
+    def filter(self, **partial: int) -> tuple[int, ...]:
+        """Ranks whose coordinate matches every given axis, in grid order (DeepSpeed's
+        ``filter_match``). Example: ``Layout(pipe=2, data=2, model=2).filter(pipe=0, data=1)``
+        is ``(2, 3)``."""
+        index: list[Any] = [slice(None)] * self._grid.ndim
+        for name, value in partial.items():
+            axes = self._axes_of(name)
+            if len(axes) != 1:
+                raise LayoutError(f"filter() takes root axes; {name!r} is flattened from {axes}")
+            if not 0 <= value < self._grid.shape[axes[0]]:
+                return ()
+            index[axes[0]] = value
+        return tuple(self._grid[tuple(index)].ravel().tolist())
+
+    # -- whole families, vectorised -------------------------------------------------------
+    def groups_array(self, *dims: str | int) -> npt.NDArray[np.int64]:
+        """All groups spanning ``dims`` as a ``(num_groups, group_size)`` array.
+
+        One group per combination of the other root axes, enumerated row-major; inside a group,
+        ranks run row-major over the spanned axes in root order (so ``groups("cp", "dp")`` equals
+        ``groups("dp", "cp")``, as in Megatron).
+        """
+        axes = self._resolve(dims)
+        others = tuple(a for a in range(self._grid.ndim) if a not in axes)
+        size = math.prod(int(self._grid.shape[a]) for a in axes)
+        return self._grid.transpose(others + axes).reshape(-1, size)
+
+    def groups(self, *dims: str | int) -> Groups:
+        """All groups spanning ``dims`` (all of this view's dims when none), as :class:`Groups`."""
+        return Groups.from_array(self.groups_array(*dims))
+
+    # -- DeviceMesh transformations -------------------------------------------------------
+    def _require_names(self, verb: str) -> None:
+        if not self._named:
+            raise LayoutError(
+                f"Cannot {verb} a DeviceMesh without mesh_dim_names!", upstream="RuntimeError"
+            )
+
+    def __getitem__(self, dims: str | Sequence[str]) -> Layout:
+        """Slice named dims, torch's way: names in root order, no overlap.
+
+        ``layout["cp", "dp"]`` on a ``(dp, cp, tp)`` layout raises, as torch does, because the
+        sliced dims must keep the root's (descending-stride) order.
+        """
+        self._require_names("slice")
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        if names == self._dims:
+            return self
+        allowed = set(self._dims) | (set(self._aliases) if self.is_root else set())
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise LayoutError(
+                f"Invalid mesh_dim_names {names} specified. Valid mesh_dim_names are "
+                f"{tuple(sorted(allowed, key=self._sort_key))}.",
+                upstream="KeyError",
+            )
+        spans = [self._axes_of(n) for n in names]
+        flat = [a for span in spans for a in span]
+        if len(set(flat)) != len(flat):
+            raise LayoutError(
+                f"Slicing overlapping dim_names {names} is not allowed.", upstream="RuntimeError"
+            )
+        # torch compares collapsed layouts, in which size-1 modes vanish.
+        effective = [a for a in flat if self._grid.shape[a] != 1]
+        if effective != sorted(effective):
+            wanted = tuple(sorted(names, key=lambda n: min(self._axes_of(n))))
+            raise LayoutError(
+                f"Invalid mesh_dim_names {names} specified. Mesh dim indices should be in "
+                f"ascending order; use {wanted}.",
+                upstream="KeyError",
+            )
+        return Layout._make(self._grid, self._names, names, self._aliases)
+
+    def _sort_key(self, name: str) -> tuple[int, str]:
+        return (min(self._axes_of(name)), name)
+
+    def flatten(self, *dims: str, name: str | None = None) -> Layout:
+        """Flatten ``dims`` (all of this view's when none) into one dim registered on the root.
+
+        Returns the 1-D view of the flattened dim; ``.root()`` of it sees the new alias. The
+        default name joins the dim names with ``_`` (``dp_cp``). Flattening the same dims under
+        the same name again returns the cached result; reusing a name for other dims, or a root
+        axis name, raises as torch does.
+        """
+        self._require_names("flatten")
+        view = self[dims] if dims else self
+        name = name if name is not None else "_".join(view._dims)
+        if view.ndim == 1 and name == view._dims[0]:
+            return view
+        axes = view._resolve(())
+        if name in self._names:
+            raise LayoutError(
+                f"{name} already exists for submesh of the {self.root()!r}. The mesh_dim_name "
+                f"should be different from existing root dim names {self._names}.",
+                upstream="ValueError",
+            )
+        if name in self._aliases and self._aliases[name] != axes:
+            raise LayoutError(
+                f"Flatten mesh with mesh_dim_name {name} has been created before with dims "
+                f"{self.aliases[name]}; cannot reuse it for {tuple(self._names[a] for a in axes)}.",
+                upstream="ValueError",
+            )
+        aliases = {**self._aliases, name: axes}
+        return Layout._make(self._grid, self._names, (name,), aliases)
+
+    def unflatten(self, dim: str | int, sizes: Sequence[int], names: Sequence[str]) -> Layout:
+        """Split one dim into several, row-major (the first new name gets the largest stride).
+
+        Returns a new layout; the new names are not registered on the old root. Example:
+        ``Layout(world=8).unflatten("world", (2, 4), ("dp", "tp"))`` equals ``Layout(dp=2, tp=4)``.
+        """
+        self._require_names("unflatten")
+        sizes = tuple(sizes)
+        names = tuple(names)
+        if len(sizes) != len(names):
+            raise LayoutError(
+                "mesh_dim_names must have same length as mesh_sizes in _unflatten!",
+                upstream="RuntimeError",
+            )
+        if isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
+            if not 0 <= dim < self.ndim:
+                raise LayoutError(
+                    f"dim {dim} specified in `_unflatten` is out of range {self.ndim}",
+                    upstream="ValueError",
+                )
+            dim = self._dims[dim]
+        if dim not in self._dims:
+            raise LayoutError(
+                f"dim {dim!r} specified in `_unflatten` is not in {self._dims}", upstream="ValueError"
+            )
+        for n, s in zip(names, sizes):
+            _check_size(n, s)
+        if math.prod(sizes) != self._dim_size(dim):
+            raise LayoutError(
+                f"The product of {sizes=} is {math.prod(sizes)}, but the size of dim {dim!r} is "
+                f"{self._dim_size(dim)}.",
+                upstream="ValueError",
+            )
+        kept = [d for d in self._dims if d != dim]
+        _check_unique(kept + list(names))
+        clash = [n for n in names if n in self._names and n != dim and n not in self._axes_names(dim)]
+        if clash:
+            raise LayoutError(f"Each mesh_dim_name must be unique; {clash} already name root axes")
+
+        split = self._axes_of(dim)
+        first = split[0]
+        # Bring the split axes together (in root order) where the first one stands, then reshape.
+        order = [a for a in range(self._grid.ndim) if a not in split or a == first]
+        at = order.index(first)
+        order[at : at + 1] = list(split)
+        grid = self._grid.transpose(order)
+        shape = [int(s) for s in grid.shape]
+        new_shape = shape[:at] + list(sizes) + shape[at + len(split) :]
+        grid = np.ascontiguousarray(grid.reshape(new_shape))
+        old_names = [self._names[a] for a in order]
+        root_names = tuple(old_names[:at] + list(names) + old_names[at + len(split) :])
+        _check_unique(root_names)
+
+        new_index = {old: i for i, old in enumerate(order) if old not in split}
+        new_index = {old: (i if i < at else i + len(sizes) - len(split)) for old, i in new_index.items()}
+        aliases = {
+            a: tuple(sorted(new_index[x] for x in axes))
+            for a, axes in self._aliases.items()
+            if not set(axes) & set(split) and a not in names
+        }
+        dims = tuple(n for d in self._dims for n in (names if d == dim else (d,)))
+        return Layout._make(grid, root_names, dims, aliases)
+
+    def _axes_names(self, dim: str) -> tuple[str, ...]:
+        return tuple(self._names[a] for a in self._axes_of(dim))
+
+    # -- value semantics ------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return (
+            self._names == other._names
+            and self._dims == other._dims
+            and np.array_equal(self._grid, other._grid)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._names, self._dims, self._grid.shape))
+
+    def __repr__(self) -> str:
+        if _is_identity(self._grid):
+            body = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._grid.shape))
+        else:
+            body = f"mesh={self._grid.tolist()}, names={self._names}"
+        text = f"Layout({body})"
+        if not self.is_root:
+            text += f"[{', '.join(map(repr, self._dims))}]"
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self._grid.tolist(), self._names, self._dims, self._aliases, self._named))
+
+
+def _rebuild(
+    grid: list[Any],
+    names: tuple[str, ...],
+    dims: tuple[str, ...],
+    aliases: dict[str, tuple[int, ...]],
+    named: bool,
+) -> Layout:
+    return Layout._make(np.array(grid, dtype=np.int64), names, dims, aliases, named=named)
+
+
+def _check_size(name: str, size: int) -> int:
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise LayoutError(f"axis {name!r} must have an integer size >= 1, got {size!r}")
+    return int(size)
+
+
+def _check_unique(names: Sequence[str], what: str = "mesh_dim_names") -> None:
+    dupes = sorted({n for n in names if list(names).count(n) > 1})
+    if dupes:
+        raise LayoutError(
+            f"Each mesh_dim_name must be unique; {what} {tuple(names)} repeat {dupes}",
+            upstream="RuntimeError",
+        )
+
+
+def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
+    index = 0
+    for c, s in zip(coords, sizes):
+        index = index * int(s) + int(c)
+    return index
+
+
+def _is_identity(grid: npt.NDArray[np.int64]) -> bool:
+    flat = grid.ravel()
+    return bool(flat[0] == 0 and flat[-1] == flat.size - 1 and np.array_equal(flat, np.arange(flat.size)))
