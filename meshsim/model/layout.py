@@ -379,6 +379,11 @@ class Layout:
         axis name, raises as torch does.
         """
         self._require_names("flatten")
+        if len(dims) == 1 and dims[0] not in self._dims and dims[0] not in self._aliases:
+            raise LayoutError(
+                f"flatten() takes the dims to flatten, and {dims[0]!r} is not one of "
+                f"{self._dims}; to name the result write flatten(name={dims[0]!r})"
+            )
         view = self[dims] if dims else self
         name = name if name is not None else "_".join(view._dims)
         if view.ndim == 1 and name == view._dims[0]:

@@ -1,0 +1,171 @@
+"""Invariants every correct layout satisfies, as pure vectorised checks over group families.
+
+Each ``is_*`` function answers a yes/no question about group families; ``find_violations``
+runs every check that applies to an :class:`Expected` and says, in words, what is broken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from meshsim.errors import LayoutError
+from meshsim.model.expected import Expected
+from meshsim.model.groups import Groups, format_groups
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant: which check, on which kind, and an example."""
+
+    check: str
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.check} [{self.kind}]: {self.message}"
+
+
+def is_partition(groups: Groups, world_size: int) -> bool:
+    """Every rank ``0..world_size-1`` is in exactly one group."""
+    return groups.is_partition_of(world_size)
+
+
+def _owner(groups: Groups, world_size: int) -> npt.NDArray[np.int64]:
+    """Index of the group each rank sits in (-1 when none)."""
+    owner = np.full(world_size, -1, dtype=np.int64)
+    rows = groups.array
+    owner[rows.ravel()] = np.repeat(np.arange(len(groups)), groups.group_size)
+    return owner
+
+
+def uncontained_groups(inner: Groups, outer: Groups, world_size: int) -> Groups:
+    """Groups of ``inner`` that do not sit entirely inside one group of ``outer``.
+
+    Example: data-parallel ``(0, 2)`` inside gradient-reduce ``(0, 1, 2, 3)`` is contained.
+    """
+    owner = _owner(outer, world_size)
+    where = owner[inner.array]
+    bad = (where != where[:, :1]).any(axis=1) | (where[:, 0] < 0)
+    return Groups.from_array(inner.array[bad])
+
+
+def is_contained(inner: Groups, outer: Groups, world_size: int) -> bool:
+    """Every group of ``inner`` lies inside one group of ``outer``."""
+    return len(uncontained_groups(inner, outer, world_size)) == 0
+
+
+def peers_with_different_local_rank(peers: Groups, reference: Groups, world_size: int) -> Groups:
+    """Groups of ``peers`` whose members hold different local ranks in ``reference``.
+
+    TP, CP and PP peers must share their data-parallel local rank: it decides which batch a
+    rank loads, and tensor-parallel peers fed different batches train garbage silently.
+    """
+    local = reference.local_ranks(world_size)
+    values = local[peers.array]
+    bad = (values != values[:, :1]).any(axis=1)
+    return Groups.from_array(peers.array[bad])
+
+
+def crossing_groups(groups: Groups, gpus_per_node: int) -> Groups:
+    """Groups whose members sit on more than one node (node = rank // gpus_per_node).
+
+    A tensor-parallel group that leaves a node is the classic silent slowdown.
+    """
+    if gpus_per_node < 1:
+        raise LayoutError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    nodes = groups.array // gpus_per_node
+    if nodes.size == 0:
+        return groups
+    crossing = nodes.min(axis=1) != nodes.max(axis=1)
+    return Groups.from_array(groups.array[crossing])
+
+
+def node_crossings(expected: Expected, gpus_per_node: int) -> dict[str, Groups]:
+    """Kind -> its groups that cross node boundaries (only kinds with at least one)."""
+    out = {}
+    for kind in expected.kinds():
+        crossing = crossing_groups(expected.groups(kind), gpus_per_node)
+        if len(crossing):
+            out[kind] = crossing
+    return out
+
+
+def pipeline_neighbors_mismatch(expected: Expected) -> list[str]:
+    """Pipeline neighbours that differ in more than their stage.
+
+    Consecutive stages of one pipeline must hold the same position in every other
+    partitioning role (same tensor, context, data-parallel and expert local rank), or
+    activations travel to a rank holding a different shard.
+    """
+    if "pipeline" not in expected.roles:
+        return []
+    pipes = expected.groups("pipeline")
+    if pipes.group_size < 2:
+        return []
+    problems = []
+    for role in ("tensor", "context", "data_parallel", "expert"):
+        if role not in expected.roles:
+            continue
+        kind = expected.kind(role)
+        if not kind.partition:
+            continue
+        local = kind.groups().local_ranks(expected.world_size)[pipes.array]
+        bad = np.flatnonzero((local != local[:, :1]).any(axis=1))
+        if bad.size:
+            pipe = pipes[int(bad[0])]
+            problems.append(
+                f"pipeline {pipe} holds {role} local ranks {local[bad[0]].tolist()}; "
+                f"neighbours must differ only in their stage"
+            )
+    return problems
+
+
+def find_violations(expected: Expected) -> list[Violation]:
+    """Run every invariant that applies to ``expected``; empty when all hold."""
+    world = expected.world_size
+    found: list[Violation] = []
+    for name in expected.kinds():
+        kind = expected.kind(name)
+        if kind.partition and not is_partition(kind.groups(), world):
+            found.append(Violation("partition", name, "groups do not cover every rank exactly once"))
+
+    roles = expected.roles
+    if "data_parallel" in roles and "gradient_reduce" in roles:
+        bad = uncontained_groups(expected.groups("data_parallel"), expected.groups("gradient_reduce"), world)
+        if len(bad):
+            found.append(
+                Violation(
+                    "gradient_reduce ⊇ data_parallel",
+                    roles["data_parallel"],
+                    f"data-parallel groups {format_groups(bad, 3)} are split across "
+                    f"{roles['gradient_reduce']} groups",
+                )
+            )
+    if "data_parallel" in roles:
+        data = expected.groups("data_parallel")
+        for role in ("tensor", "context", "pipeline"):
+            if role not in roles:
+                continue
+            bad = peers_with_different_local_rank(expected.groups(role), data, world)
+            if len(bad):
+                found.append(
+                    Violation(
+                        f"{role} peers share the data-parallel rank",
+                        roles[role],
+                        f"groups {format_groups(bad, 3)} load different batches",
+                    )
+                )
+    for problem in pipeline_neighbors_mismatch(expected):
+        found.append(Violation("pipeline neighbours", roles["pipeline"], problem))
+    return found
+
+
+def validate_invariants(expected: Expected) -> None:
+    """Raise :class:`LayoutError` listing every broken invariant."""
+    found = find_violations(expected)
+    if found:
+        lines = "\n".join(f"  - {v}" for v in found)
+        raise LayoutError(f"{expected!r} breaks {len(found)} invariant(s):\n{lines}")
