@@ -22,3 +22,11 @@ class LayoutError(MeshsimError, ValueError):
 
 class UsageError(MeshsimError, ValueError):
     """Bad arguments to a meshsim API (world size, backend name, timeout, ...)."""
+
+
+class LayoutMismatch(MeshsimError, AssertionError):
+    """Live groups differ from the reference; ``diff`` holds every mismatch, compactly."""
+
+    def __init__(self, diff: object) -> None:
+        super().__init__(str(diff))
+        self.diff = diff

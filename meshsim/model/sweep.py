@@ -44,7 +44,8 @@ class LayoutCase:
         for key, value in self.config.items():
             if isinstance(value, (list, tuple)):
                 value = ",".join(map(str, value)) if value else "-"
-            parts.append(f"{_short(key)}={value}")
+            text = str(value).replace(" -> ", ">").replace(" ", ":")
+            parts.append(f"{_short(key)}={text}")
         return "-".join(parts)
 
     def expect(self) -> Expected:

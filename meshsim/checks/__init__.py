@@ -1,0 +1,20 @@
+"""Live checks: observe what ranks built, prove it by communication, diff it with the reference."""
+
+from meshsim.checks.assertions import assert_layout, gather
+from meshsim.checks.diff import MeshDiff, Mismatch, diff, format_ranks
+from meshsim.checks.observation import GroupView, Observation, ObservedLayout
+from meshsim.checks.snapshot import observe, observe_groups
+
+__all__ = [
+    "GroupView",
+    "MeshDiff",
+    "Mismatch",
+    "Observation",
+    "ObservedLayout",
+    "assert_layout",
+    "diff",
+    "format_ranks",
+    "gather",
+    "observe",
+    "observe_groups",
+]

@@ -1,0 +1,151 @@
+"""Pure diff of observed groups against the reference: observations + Expected -> MeshDiff."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from meshsim.checks.observation import Observation, ObservedLayout
+from meshsim.errors import UsageError
+from meshsim.model.expected import Expected
+from meshsim.model.groups import Group
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Ranks that saw the same wrong thing for one kind.
+
+    ``aspect`` is ``members`` (wrong group), ``local_rank``, ``proof`` (an all-gather over the
+    group disagreed with its member list), ``missing`` (no group of that name on the rank) or
+    ``unexpected`` (the framework raises for this kind, yet a group exists).
+    """
+
+    kind: str
+    aspect: str
+    ranks: tuple[int, ...]
+    expected: Group | None
+    observed: Group | None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        who = format_ranks(self.ranks)
+        if self.aspect == "members":
+            exp = "no group" if self.expected is None else _fmt(self.expected)
+            obs = "no group" if self.observed is None else _fmt(self.observed)
+            return f"{self.kind}: {who} hold {obs}; expected {exp}"
+        if self.aspect == "missing":
+            return f"{self.kind}: {who} have no group of this name; expected {_fmt(self.expected)}"
+        return f"{self.kind}: {who}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class MeshDiff:
+    """Every mismatch between what ranks built and what the reference says, compactly."""
+
+    expected: str
+    mismatches: tuple[Mismatch, ...]
+    checked: dict[str, int] = field(default_factory=dict)
+
+    def lines(self, limit: int = 20) -> list[str]:
+        kinds = sorted({m.kind for m in self.mismatches}, key=list(self.checked).index)
+        head = (
+            f"{len(self.mismatches)} mismatch(es) in {len(kinds)} of {len(self.checked)} kinds "
+            f"checked ({', '.join(kinds)}) against {self.expected}:"
+        )
+        body = [f"  {m}" for m in self.mismatches[:limit]]
+        if len(self.mismatches) > limit:
+            body.append(f"  ... {len(self.mismatches) - limit} more")
+        return [head, *body]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0-3, 8, 10-11``."""
+    ordered = sorted(set(ranks))
+    spans: list[str] = []
+    start = prev = ordered[0]
+    for r in ordered[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
+
+
+def _fmt(group: Group | None) -> str:
+    if group is None:
+        return "no group"
+    return "(" + ", ".join(map(str, group)) + ("," if len(group) == 1 else "") + ")"
+
+
+def _kinds_to_check(observed: ObservedLayout, expected: Expected, kinds: Iterable[str] | None) -> list[str]:
+    if kinds is not None:
+        chosen = list(kinds)
+        for name in chosen:
+            expected.kind(name)  # raises for a name the reference does not know
+        return chosen
+    known = set(expected.kinds()) | set(expected.unavailable()) | set(expected.roles)
+    chosen = [n for n in observed.names() if n in known]
+    if not chosen:
+        raise UsageError(
+            f"nothing to compare: observed groups {observed.names()} share no name with "
+            f"{expected.framework}'s kinds {list(expected.kinds())}; pass kinds=... or name the "
+            "observed groups after the kinds"
+        )
+    return chosen
+
+
+def diff(
+    observations: Iterable[Observation] | Observation | ObservedLayout,
+    expected: Expected,
+    kinds: Iterable[str] | None = None,
+) -> MeshDiff | None:
+    """Compare observed groups with the reference, kind by kind, rank by rank; None when equal.
+
+    ``kinds`` defaults to every observed name the reference knows (kind or role name).
+    """
+    observed = ObservedLayout.of(observations)
+    names = _kinds_to_check(observed, expected, kinds)
+    found: dict[tuple[str, str, Group | None, Group | None, str], list[int]] = {}
+
+    def note(kind: str, aspect: str, rank: int, exp: Group | None, obs: Group | None, detail: str = "") -> None:
+        found.setdefault((kind, aspect, exp, obs, detail), []).append(rank)
+
+    for name in names:
+        ref = expected.kind(name)
+        for obs in observed:
+            view = obs.groups.get(name)
+            if not ref.available:
+                if view is not None:
+                    note(name, "unexpected", obs.rank, None, view.members,
+                         f"hold {_fmt(view.members)} but {expected.framework} raises: {ref.source}")
+                continue
+            want = ref.groups().group_of(obs.rank)
+            if view is None:
+                if name in obs.absent:
+                    if want is not None:
+                        note(name, "members", obs.rank, want, None)
+                else:
+                    note(name, "missing", obs.rank, want, None)
+                continue
+            if view.members != want:
+                note(name, "members", obs.rank, want, view.members)
+                continue
+            if view.local_rank != want.index(obs.rank):
+                note(name, "local_rank", obs.rank, want, view.members,
+                     f"local rank {view.local_rank}; expected {want.index(obs.rank)}")
+            if view.gathered is not None and view.gathered != view.members:
+                note(name, "proof", obs.rank, want, view.members,
+                     f"all-gather over the group returned {_fmt(view.gathered)}, not its members "
+                     f"{_fmt(view.members)}")
+    if not found:
+        return None
+    mismatches = tuple(
+        Mismatch(kind, aspect, tuple(ranks), exp, obs, detail)
+        for (kind, aspect, exp, obs, detail), ranks in found.items()
+    )
+    return MeshDiff(repr(expected), mismatches, {n: len(observed) for n in names})

@@ -1,0 +1,111 @@
+"""What one rank saw of its live groups: plain frozen data, picklable, free of torch objects."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Nested = Any  # nested lists of ints: a sub-mesh tensor as ``tensor.tolist()`` gives it
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One group as one rank sees it.
+
+    ``members`` are the process group's global ranks in group-rank order
+    (``get_process_group_ranks``); ``gathered`` is what an all-gather of global ranks over the
+    group returned (None when not proven, e.g. on the fake backend). ``mesh`` is the sub-mesh
+    tensor for DeviceMesh dims; None for bare process groups.
+    """
+
+    name: str
+    members: tuple[int, ...]
+    local_rank: int
+    mesh: Nested | None = None
+    description: str | None = None
+    gathered: tuple[int, ...] | None = None
+
+    @property
+    def proven(self) -> bool | None:
+        """True when real communication returned exactly the members, in order."""
+        return None if self.gathered is None else self.gathered == self.members
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Every group one rank holds, by name (mesh dims, flattened dims, named process groups)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    groups: Mapping[str, GroupView] = field(default_factory=dict)
+    mesh_dim_names: tuple[str, ...] = ()
+    coordinate: tuple[int, ...] | None = None
+    absent: tuple[str, ...] = ()  # named groups this rank is not a member of (e.g. embedding)
+
+    def merged(self, other: Observation) -> Observation:
+        """This observation plus ``other``'s groups (same rank): observe a mesh and PGs together."""
+        if other.rank != self.rank:
+            raise ValueError(f"cannot merge observations of ranks {self.rank} and {other.rank}")
+        return Observation(
+            self.rank,
+            self.world_size,
+            self.backend,
+            {**self.groups, **other.groups},
+            self.mesh_dim_names or other.mesh_dim_names,
+            self.coordinate if self.coordinate is not None else other.coordinate,
+            tuple(sorted(set(self.absent) | set(other.absent))),
+        )
+
+
+@dataclass(frozen=True)
+class ObservedLayout:
+    """Observations of every rank (or a sample of ranks), one per rank, in rank order.
+
+    ``observed == expected`` is True when :func:`meshsim.checks.diff` finds nothing, and pytest
+    explains a failing ``assert observed == expected`` with the diff.
+    """
+
+    observations: tuple[Observation, ...]
+
+    @classmethod
+    def of(cls, observations: Iterable[Observation] | Observation | ObservedLayout) -> ObservedLayout:
+        if isinstance(observations, ObservedLayout):
+            return observations
+        if isinstance(observations, Observation):
+            return cls((observations,))
+        items = tuple(observations)
+        bad = [type(o).__name__ for o in items if not isinstance(o, Observation)]
+        if bad:
+            raise TypeError(
+                f"expected Observation objects (from meshsim.observe), got {sorted(set(bad))}"
+            )
+        return cls(tuple(sorted(items, key=lambda o: o.rank)))
+
+    def __iter__(self) -> Iterator[Observation]:
+        return iter(self.observations)
+
+    def __len__(self) -> int:
+        return len(self.observations)
+
+    def names(self) -> list[str]:
+        """Every group name observed on any rank, in first-seen order."""
+        seen: dict[str, None] = {}
+        for obs in self.observations:
+            seen.update(dict.fromkeys(obs.groups))
+            seen.update(dict.fromkeys(obs.absent))
+        return list(seen)
+
+    def __eq__(self, other: object) -> bool:
+        from meshsim.model.expected import Expected
+
+        if isinstance(other, Expected):
+            from meshsim.checks.diff import diff
+
+            return diff(self, other) is None
+        if isinstance(other, ObservedLayout):
+            return self.observations == other.observations
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
