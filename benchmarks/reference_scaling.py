@@ -43,19 +43,23 @@ def run(exponents: list[int], repeat: int) -> list[dict[str, Any]]:
         layout = Layout(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
         names = layout.dim_names
 
-        def single_axes(layout: Layout = layout) -> None:
+        def single_axes(layout: Layout = layout, names: tuple[str, ...] = names) -> None:
             for name in names:
                 layout.groups_array(name)
 
-        def axis_pairs(layout: Layout = layout) -> None:
+        def axis_pairs(layout: Layout = layout, names: tuple[str, ...] = names) -> None:
             for pair in itertools.combinations(names, 2):
                 layout.groups_array(*pair)
 
-        def per_rank(layout: Layout = layout, world: int = world) -> None:
+        def per_rank(
+            layout: Layout = layout, world: int = world, names: tuple[str, ...] = names
+        ) -> None:
             for name in names:
                 layout.group_of(world - 1, name)
 
-        def megatron_all_kinds(world: int = world, tp: int = tp, pp: int = pp, cp: int = cp) -> None:
+        def megatron_all_kinds(
+            world: int = world, tp: int = tp, pp: int = pp, cp: int = cp
+        ) -> None:
             expected = meshsim.expect(
                 "megatron",
                 world_size=world,
@@ -100,15 +104,17 @@ def main() -> None:
     if exponents[-1] != args.max_exp:
         exponents.append(args.max_exp)
     rows = run(exponents, args.repeat)
-    header = f"{'world':>9} {'5-D shape':>22} {'5-D axes':>10} {'5-D pairs':>10} {'4-D axes':>10} {'per-rank':>10} {'megatron':>10}"
-    print(header)
+    columns = ("5-D axes", "5-D pairs", "4-D axes", "per-rank", "megatron")
+    print(f"{'world':>9} {'5-D shape':>22} " + " ".join(f"{c:>10}" for c in columns))
     for r in rows:
         meg = r["megatron_expect_all_kinds_s"]
         meg_text = f"{meg * 1e3:8.1f}ms" if isinstance(meg, float) else "n/a"
         print(
-            f"{r['world_size']:>9} {str(r['shape_5d']):>22} "
-            f"{r['all_single_axis_groups_5d_s'] * 1e3:8.1f}ms {r['all_axis_pair_groups_5d_s'] * 1e3:8.1f}ms "
-            f"{r['all_single_axis_groups_4d_s'] * 1e3:8.1f}ms {r['per_rank_group_of_all_axes_s'] * 1e6:8.1f}us "
+            f"{r['world_size']:>9} {r['shape_5d']!s:>22} "
+            f"{r['all_single_axis_groups_5d_s'] * 1e3:8.1f}ms "
+            f"{r['all_axis_pair_groups_5d_s'] * 1e3:8.1f}ms "
+            f"{r['all_single_axis_groups_4d_s'] * 1e3:8.1f}ms "
+            f"{r['per_rank_group_of_all_axes_s'] * 1e6:8.1f}us "
             f"{meg_text:>10}"
         )
     if args.json:

@@ -30,3 +30,96 @@ class LayoutMismatch(MeshsimError, AssertionError):
     def __init__(self, diff: object) -> None:
         super().__init__(str(diff))
         self.diff = diff
+
+
+# --- harness errors (meshsim.harness.run) -------------------------------------------------
+
+
+class RankFailure(MeshsimError, AssertionError):
+    """One or more ranks of a ``meshsim.run`` body failed (raised, exited or died).
+
+    An ``AssertionError`` so that a failing rank reads as a failing test under pytest, the
+    same as a failing single-process ``assert``. ``outcomes`` holds every rank's
+    ``RankOutcome`` (structured: error type, message, traceback, exit code, signal name);
+    ``failures`` holds only the ranks that did not return normally.
+    """
+
+    def __init__(self, message: str, outcomes: tuple = (), **info: object) -> None:
+        super().__init__(message)
+        self.outcomes = tuple(outcomes)
+        self.info = dict(info)
+
+    @property
+    def failures(self) -> tuple:
+        """The outcomes of the ranks that did not return a value."""
+        return tuple(o for o in self.outcomes if not getattr(o, "ok", False))
+
+
+class CollectiveDivergence(RankFailure):
+    """Ranks that must issue the same collectives (or group creations) issued different ones.
+
+    Found by the fake tier, which records every rank's calls and compares ranks that have to
+    agree: members of a group must issue the same collectives on it in the same order, and
+    world-synchronised group creations must match on every rank. On real backends this
+    mismatch is the classic hang at step 1. A ``RankFailure`` because it is a bug in the
+    ranks' program. ``index`` is the 0-based position of the first mismatch in the compared
+    sequence, ``ranks`` the two ranks compared and ``calls`` what each did there.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        outcomes: tuple = (),
+        *,
+        kind: str = "collective",
+        group: tuple[int, ...] | None = None,
+        index: int = 0,
+        ranks: tuple[int, int] = (0, 0),
+        calls: tuple[str, str] = ("", ""),
+        steps: tuple[int | None, int | None] = (None, None),
+    ) -> None:
+        super().__init__(message, outcomes)
+        self.kind = kind
+        self.group = group
+        self.index = index
+        self.ranks = ranks
+        self.calls = calls
+        self.steps = steps
+
+
+class RankTimeout(MeshsimError, TimeoutError):
+    """A ``meshsim.run`` body did not finish within its timeout; every rank was stopped.
+
+    ``stacks`` maps rank -> that rank's Python stack when the deadline hit, ``collectives``
+    maps rank -> the collective it was blocked in (``None`` if none), ``survivors`` lists
+    threaded-tier ranks whose threads could not be stopped (they stay parked as daemon
+    threads; see ``meshsim.harness.threaded``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        outcomes: tuple = (),
+        *,
+        stacks: dict[int, str] | None = None,
+        collectives: dict[int, str | None] | None = None,
+        survivors: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.outcomes = tuple(outcomes)
+        self.stacks = dict(stacks or {})
+        self.collectives = dict(collectives or {})
+        self.survivors = tuple(survivors)
+
+
+class NotEnoughGPUs(MeshsimError, RuntimeError):
+    """The nccl tier needs one GPU per rank and this machine has fewer."""
+
+
+class TeardownWarning(MeshsimError, RuntimeWarning):
+    """A rank died during teardown after its result had already arrived.
+
+    The body itself succeeded on that rank, so ``meshsim.run`` still returns its values;
+    the death is reported (this warning plus ``RunResult.teardown_failures``) instead of
+    being hidden or blamed on the body.
+    """

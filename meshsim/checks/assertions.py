@@ -36,7 +36,11 @@ def assert_layout(
     observation (a collective: call it on all ranks). Called in the parent with the list
     ``meshsim.run`` returned, it compares them directly. Returns what it compared.
     """
-    observed = gather(observations) if isinstance(observations, Observation) else ObservedLayout.of(observations)
+    observed = (
+        gather(observations)
+        if isinstance(observations, Observation)
+        else ObservedLayout.of(observations)
+    )
     found = diff(observed, expected, kinds)
     if found is not None:
         raise LayoutMismatch(found)

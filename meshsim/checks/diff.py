@@ -66,7 +66,7 @@ def format_ranks(ranks: Sequence[int]) -> str:
     ordered = sorted(set(ranks))
     spans: list[str] = []
     start = prev = ordered[0]
-    for r in ordered[1:] + [None]:  # type: ignore[list-item]
+    for r in [*ordered[1:], None]:  # type: ignore[list-item]
         if r is not None and r == prev + 1:
             prev = r
             continue
@@ -82,7 +82,9 @@ def _fmt(group: Group | None) -> str:
     return "(" + ", ".join(map(str, group)) + ("," if len(group) == 1 else "") + ")"
 
 
-def _kinds_to_check(observed: ObservedLayout, expected: Expected, kinds: Iterable[str] | None) -> list[str]:
+def _kinds_to_check(
+    observed: ObservedLayout, expected: Expected, kinds: Iterable[str] | None
+) -> list[str]:
     if kinds is not None:
         chosen = list(kinds)
         for name in chosen:
@@ -112,7 +114,9 @@ def diff(
     names = _kinds_to_check(observed, expected, kinds)
     found: dict[tuple[str, str, Group | None, Group | None, str], list[int]] = {}
 
-    def note(kind: str, aspect: str, rank: int, exp: Group | None, obs: Group | None, detail: str = "") -> None:
+    def note(
+        kind: str, aspect: str, rank: int, exp: Group | None, obs: Group | None, detail: str = ""
+    ) -> None:
         found.setdefault((kind, aspect, exp, obs, detail), []).append(rank)
 
     for name in names:
@@ -121,8 +125,14 @@ def diff(
             view = obs.groups.get(name)
             if not ref.available:
                 if view is not None:
-                    note(name, "unexpected", obs.rank, None, view.members,
-                         f"hold {_fmt(view.members)} but {expected.framework} raises: {ref.source}")
+                    note(
+                        name,
+                        "unexpected",
+                        obs.rank,
+                        None,
+                        view.members,
+                        f"hold {_fmt(view.members)} but {expected.framework} raises: {ref.source}",
+                    )
                 continue
             want = ref.groups().group_of(obs.rank)
             if view is None:
@@ -136,12 +146,24 @@ def diff(
                 note(name, "members", obs.rank, want, view.members)
                 continue
             if view.local_rank != want.index(obs.rank):
-                note(name, "local_rank", obs.rank, want, view.members,
-                     f"local rank {view.local_rank}; expected {want.index(obs.rank)}")
+                note(
+                    name,
+                    "local_rank",
+                    obs.rank,
+                    want,
+                    view.members,
+                    f"local rank {view.local_rank}; expected {want.index(obs.rank)}",
+                )
             if view.gathered is not None and view.gathered != view.members:
-                note(name, "proof", obs.rank, want, view.members,
-                     f"all-gather over the group returned {_fmt(view.gathered)}, not its members "
-                     f"{_fmt(view.members)}")
+                note(
+                    name,
+                    "proof",
+                    obs.rank,
+                    want,
+                    view.members,
+                    f"all-gather over the group returned {_fmt(view.gathered)}, not its members "
+                    f"{_fmt(view.members)}",
+                )
     if not found:
         return None
     mismatches = tuple(

@@ -70,7 +70,9 @@ class ObservedLayout:
     observations: tuple[Observation, ...]
 
     @classmethod
-    def of(cls, observations: Iterable[Observation] | Observation | ObservedLayout) -> ObservedLayout:
+    def of(
+        cls, observations: Iterable[Observation] | Observation | ObservedLayout
+    ) -> ObservedLayout:
         if isinstance(observations, ObservedLayout):
             return observations
         if isinstance(observations, Observation):

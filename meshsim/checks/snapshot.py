@@ -33,7 +33,11 @@ def _prove(dist: Any, group: ProcessGroup, size: int) -> tuple[int, ...]:
     import torch
 
     backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
     mine = torch.tensor([dist.get_rank()], dtype=torch.int64, device=device)
     out = [torch.zeros_like(mine) for _ in range(size)]
     dist.all_gather(out, mine, group=group)
@@ -74,7 +78,9 @@ def observe(mesh: DeviceMesh, *, prove: bool = True, include_flattened: bool = T
         root = mesh._get_root_mesh()
         for flat_name, flat_mesh in getattr(root, "_flatten_mapping", {}).items():
             if flat_name not in groups:
-                groups[flat_name] = _view(dist, flat_name, flat_mesh.get_group(), flat_mesh.mesh, prove)
+                groups[flat_name] = _view(
+                    dist, flat_name, flat_mesh.get_group(), flat_mesh.mesh, prove
+                )
     coordinate = mesh.get_coordinate()
     return Observation(
         rank=int(dist.get_rank()),

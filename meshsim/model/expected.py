@@ -27,7 +27,9 @@ Role = Literal[
 ROLES: Final[Mapping[str, str]] = MappingProxyType(
     {
         "data_parallel": "ranks that load different batches (the data loader's DP group; no CP)",
-        "gradient_reduce": "ranks whose gradients are reduced or sharded together (DP with CP folded in)",
+        "gradient_reduce": (
+            "ranks whose gradients are reduced or sharded together (DP with CP folded in)"
+        ),
         "tensor": "tensor-parallel peers: shard each layer's weights",
         "context": "context/sequence-parallel peers: shard the sequence",
         "pipeline": "pipeline stages of one model replica, in stage order",

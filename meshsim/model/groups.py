@@ -30,7 +30,9 @@ class Groups:
         if array.size == 0:
             array = array.reshape(0, 0)
         if array.ndim != 2:
-            raise ValueError(f"groups must be a list of equally sized groups, got shape {array.shape}")
+            raise ValueError(
+                f"groups must be a list of equally sized groups, got shape {array.shape}"
+            )
         array.flags.writeable = False
         self._rows = array
         self._first_index: npt.NDArray[np.int64] | None = None

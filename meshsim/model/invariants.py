@@ -130,11 +130,15 @@ def find_violations(expected: Expected) -> list[Violation]:
     for name in expected.kinds():
         kind = expected.kind(name)
         if kind.partition and not is_partition(kind.groups(), world):
-            found.append(Violation("partition", name, "groups do not cover every rank exactly once"))
+            found.append(
+                Violation("partition", name, "groups do not cover every rank exactly once")
+            )
 
     roles = expected.roles
     if "data_parallel" in roles and "gradient_reduce" in roles:
-        bad = uncontained_groups(expected.groups("data_parallel"), expected.groups("gradient_reduce"), world)
+        bad = uncontained_groups(
+            expected.groups("data_parallel"), expected.groups("gradient_reduce"), world
+        )
         if len(bad):
             found.append(
                 Violation(

@@ -210,7 +210,9 @@ class Layout:
         if dim in self._aliases:
             return self._aliases[dim]
         valid = list(self._dims) + [a for a in self._aliases if a not in self._dims]
-        raise LayoutError(f"Mesh dimension {dim!r} does not exist; valid dims: {valid}", upstream="KeyError")
+        raise LayoutError(
+            f"Mesh dimension {dim!r} does not exist; valid dims: {valid}", upstream="KeyError"
+        )
 
     def _dim_size(self, dim: str | int) -> int:
         return math.prod(int(self._grid.shape[a]) for a in self._axes_of(dim))
@@ -264,7 +266,9 @@ class Layout:
             axes = self._axes_of(name)
             sizes = [int(self._grid.shape[a]) for a in axes]
             if not 0 <= value < math.prod(sizes):
-                raise LayoutError(f"coordinate {name}={value} is out of range 0..{math.prod(sizes) - 1}")
+                raise LayoutError(
+                    f"coordinate {name}={value} is out of range 0..{math.prod(sizes) - 1}"
+                )
             for a, c in zip(axes, np.unravel_index(value, sizes)):
                 if a in root:
                     raise LayoutError(f"coordinate names root axis {self._names[a]!r} twice")
@@ -427,7 +431,8 @@ class Layout:
             dim = self._dims[dim]
         if dim not in self._dims:
             raise LayoutError(
-                f"dim {dim!r} specified in `_unflatten` is not in {self._dims}", upstream="ValueError"
+                f"dim {dim!r} specified in `_unflatten` is not in {self._dims}",
+                upstream="ValueError",
             )
         for n, s in zip(names, sizes):
             _check_size(n, s)
@@ -439,7 +444,9 @@ class Layout:
             )
         kept = [d for d in self._dims if d != dim]
         _check_unique(kept + list(names))
-        clash = [n for n in names if n in self._names and n != dim and n not in self._axes_names(dim)]
+        clash = [
+            n for n in names if n in self._names and n != dim and n not in self._axes_names(dim)
+        ]
         if clash:
             raise LayoutError(f"Each mesh_dim_name must be unique; {clash} already name root axes")
 
@@ -458,7 +465,9 @@ class Layout:
         _check_unique(root_names)
 
         new_index = {old: i for i, old in enumerate(order) if old not in split}
-        new_index = {old: (i if i < at else i + len(sizes) - len(split)) for old, i in new_index.items()}
+        new_index = {
+            old: (i if i < at else i + len(sizes) - len(split)) for old, i in new_index.items()
+        }
         aliases = {
             a: tuple(sorted(new_index[x] for x in axes))
             for a, axes in self._aliases.items()
@@ -494,7 +503,10 @@ class Layout:
         return text
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self._grid.tolist(), self._names, self._dims, self._aliases, self._named))
+        return (
+            _rebuild,
+            (self._grid.tolist(), self._names, self._dims, self._aliases, self._named),
+        )
 
 
 def _rebuild(
@@ -531,4 +543,6 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
 
 def _is_identity(grid: npt.NDArray[np.int64]) -> bool:
     flat = grid.ravel()
-    return bool(flat[0] == 0 and flat[-1] == flat.size - 1 and np.array_equal(flat, np.arange(flat.size)))
+    return bool(
+        flat[0] == 0 and flat[-1] == flat.size - 1 and np.array_equal(flat, np.arange(flat.size))
+    )

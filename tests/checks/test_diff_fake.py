@@ -35,7 +35,9 @@ def _mesh_dp_cp_tp() -> DeviceMesh:
 
 def test_correct_mesh_has_no_diff() -> None:
     observed = observe_every_rank(8, _mesh_dp_cp_tp)
-    expected = meshsim.expect("torch", 8, mesh_shape=(2, 2, 2), mesh_dim_names=("dp", "cp", "tp"), ops=["flatten dp,cp"])
+    expected = meshsim.expect(
+        "torch", 8, mesh_shape=(2, 2, 2), mesh_dim_names=("dp", "cp", "tp"), ops=["flatten dp,cp"]
+    )
     assert diff(observed, expected) is None
     assert ObservedLayout.of(observed) == expected
     assert set(observed[3].groups) == {"dp", "cp", "tp", "dp_cp"}
@@ -48,7 +50,9 @@ def test_correct_mesh_has_no_diff() -> None:
 def test_transposed_mesh_is_reported_per_kind_with_ranks() -> None:
     # A classic bug: ranks laid out column-major (tp strided) while the reference is row-major.
     def transposed() -> DeviceMesh:
-        return DeviceMesh("cpu", torch.arange(8).reshape(4, 2).T.contiguous(), mesh_dim_names=("dp", "tp"))
+        return DeviceMesh(
+            "cpu", torch.arange(8).reshape(4, 2).T.contiguous(), mesh_dim_names=("dp", "tp")
+        )
 
     observed = observe_every_rank(8, transposed)
     expected = meshsim.expect("torch", 8, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"))
@@ -64,8 +68,12 @@ def test_transposed_mesh_is_reported_per_kind_with_ranks() -> None:
 
 
 def test_missing_and_unknown_kinds() -> None:
-    observed = observe_every_rank(4, lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
-    expected = meshsim.expect("torch", 4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), ops=["flatten dp,tp"])
+    observed = observe_every_rank(
+        4, lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    )
+    expected = meshsim.expect(
+        "torch", 4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), ops=["flatten dp,tp"]
+    )
     found = diff(observed, expected, kinds=["dp", "dp_tp"])
     assert found is not None and "dp_tp: ranks 0-3 have no group of this name" in str(found)
     other = meshsim.expect("torch", 4, mesh_shape=(4,), mesh_dim_names=("x",))

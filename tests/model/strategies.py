@@ -11,7 +11,9 @@ AXIS_NAMES = ("pp", "dp", "ep", "cp", "tp", "sp", "ex")
 
 
 @st.composite
-def axis_sizes(draw: st.DrawFn, max_world: int = 256, min_axes: int = 1, max_axes: int = 5) -> list[tuple[str, int]]:
+def axis_sizes(
+    draw: st.DrawFn, max_world: int = 256, min_axes: int = 1, max_axes: int = 5
+) -> list[tuple[str, int]]:
     """Named axes (root order) whose sizes multiply to a world of at most ``max_world``."""
     count = draw(st.integers(min_axes, max_axes))
     names = draw(st.permutations(AXIS_NAMES).map(lambda p: list(p[:count])))

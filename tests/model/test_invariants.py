@@ -54,7 +54,11 @@ def test_node_crossing_tp() -> None:
 
 def test_correct_torch_layout_has_no_violations() -> None:
     expected = meshsim.expect(
-        "torch", 16, mesh_shape=(2, 2, 2, 2), mesh_dim_names=("pp", "dp", "cp", "tp"), ops=["flatten dp,cp"]
+        "torch",
+        16,
+        mesh_shape=(2, 2, 2, 2),
+        mesh_dim_names=("pp", "dp", "cp", "tp"),
+        ops=["flatten dp,cp"],
     )
     assert find_violations(expected) == []
     validate_invariants(expected)
@@ -79,7 +83,7 @@ def test_broken_layout_reports_each_violation() -> None:
     assert "gradient_reduce ⊇ data_parallel" in checks
     assert "tensor peers share the data-parallel rank" in checks
     assert "pipeline neighbours" in checks
-    with pytest.raises(LayoutError, match="breaks .* invariant"):
+    with pytest.raises(LayoutError, match=r"breaks .* invariant"):
         validate_invariants(_expected(kinds, roles))
 
 

@@ -24,20 +24,26 @@ def test_row_major_2d_groups() -> None:
 
 def test_constructor_forms_agree() -> None:
     assert Layout(pp=2, dp=4) == Layout([("pp", 2), ("dp", 4)]) == Layout({"pp": 2, "dp": 4})
-    assert Layout.from_topology(["pipe", "data"], [2, 4]).groups("data") == Layout(pp=2, dp=4).groups("dp")
+    assert Layout.from_topology(["pipe", "data"], [2, 4]).groups("data") == Layout(
+        pp=2, dp=4
+    ).groups("dp")
 
 
 def test_megatron_order_docstring_example() -> None:
     layout = Layout.from_order("tp-dp-pp", tp=2, dp=3, pp=4)
     dp = layout.groups("dp").to_tuples()
     assert dp[0] == (0, 2, 4) and dp[1] == (1, 3, 5) and dp[7] == (19, 21, 23)
-    assert Layout.from_order("tp-cp-dp-pp", tp=2, cp=2, dp=2, pp=2) == Layout(pp=2, dp=2, cp=2, tp=2)
+    assert Layout.from_order("tp-cp-dp-pp", tp=2, cp=2, dp=2, pp=2) == Layout(
+        pp=2, dp=2, cp=2, tp=2
+    )
 
 
 def test_megatron_order_appends_size_one_axes_and_rejects_bigger() -> None:
     layout = Layout.from_order("tp-dp", tp=2, dp=2, ep=1)
     assert layout.dim_names == ("ep", "dp", "tp")
-    with pytest.raises(LayoutError, match=r"size of \(ep\) is \(2\).*haven't specified the order") as info:
+    with pytest.raises(
+        LayoutError, match=r"size of \(ep\) is \(2\).*haven't specified the order"
+    ) as info:
         Layout.from_order("tp-dp", tp=2, dp=2, ep=2)
     assert info.value.upstream == "RuntimeError"
     with pytest.raises(LayoutError, match="names \\['cp'\\]"):
@@ -75,7 +81,9 @@ def test_flatten_registers_alias_on_root_and_caches() -> None:
     assert root["dp_cp", "tp"].shape == (4, 2)
     again = root["dp", "cp"].flatten(name="dp_cp")
     assert again.groups() == flat.groups()
-    with pytest.raises(LayoutError, match="Flatten mesh with mesh_dim_name dp_cp has been created before") as info:
+    with pytest.raises(
+        LayoutError, match="Flatten mesh with mesh_dim_name dp_cp has been created before"
+    ) as info:
         root["dp", "tp"].flatten(name="dp_cp")
     assert info.value.upstream == "ValueError"
 
@@ -142,7 +150,12 @@ def test_unnamed_layout_cannot_slice_or_flatten() -> None:
 def test_unflatten_rules() -> None:
     world = Layout(world=8)
     assert world.unflatten("world", (2, 4), ("dp", "tp")) == Layout(dp=2, tp=4)
-    assert world.unflatten(0, (2, 2, 2), ("pp", "dp", "tp")).groups("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert world.unflatten(0, (2, 2, 2), ("pp", "dp", "tp")).groups("dp") == [
+        (0, 2),
+        (1, 3),
+        (4, 6),
+        (5, 7),
+    ]
     with pytest.raises(LayoutError, match="product") as info:
         world.unflatten("world", (2, 3), ("a", "b"))
     assert info.value.upstream == "ValueError"
@@ -214,7 +227,9 @@ def test_flatten_is_product_of_dims(case: tuple[Layout, tuple[str, ...]]) -> Non
 
 @settings(max_examples=60, deadline=None)
 @given(layout_and_dims(), st.data())
-def test_per_rank_queries_agree_with_groups(case: tuple[Layout, tuple[str, ...]], data: st.DataObject) -> None:
+def test_per_rank_queries_agree_with_groups(
+    case: tuple[Layout, tuple[str, ...]], data: st.DataObject
+) -> None:
     layout, dims = case
     rank = data.draw(st.integers(0, layout.world_size - 1))
     group = layout.group_of(rank, *dims)
@@ -226,7 +241,9 @@ def test_per_rank_queries_agree_with_groups(case: tuple[Layout, tuple[str, ...]]
 @settings(max_examples=60, deadline=None)
 @given(layouts(max_axes=4), st.data())
 def test_slicing_accepts_exactly_root_order(layout: Layout, data: st.DataObject) -> None:
-    dims = data.draw(st.lists(st.sampled_from(layout.dim_names), min_size=1, max_size=3, unique=True))
+    dims = data.draw(
+        st.lists(st.sampled_from(layout.dim_names), min_size=1, max_size=3, unique=True)
+    )
     positions = [layout.dim_names.index(d) for d in dims if layout.size_of(d) > 1]
     if positions == sorted(positions):
         assert layout[tuple(dims)].dim_names == tuple(dims)

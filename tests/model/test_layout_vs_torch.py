@@ -43,7 +43,9 @@ def fake_rank() -> Iterator[object]:
 
 
 @pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{n}{s}" for n, s in a))
-def test_every_dim_slice_and_flatten_matches_torch(axes: tuple[tuple[str, int], ...], fake_rank) -> None:  # type: ignore[no-untyped-def]
+def test_every_dim_slice_and_flatten_matches_torch(
+    axes: tuple[tuple[str, int], ...], fake_rank
+) -> None:  # type: ignore[no-untyped-def]
     layout = Layout(list(axes))
     names = layout.dim_names
     subsets = [c for k in (2, 3) for c in itertools.combinations(names, k)]
@@ -65,7 +67,10 @@ def test_every_dim_slice_and_flatten_matches_torch(axes: tuple[tuple[str, int], 
 
 def test_unflatten_matches_torch(fake_rank) -> None:  # type: ignore[no-untyped-def]
     layout = Layout(world=16)
-    views = [((2, 4, 2), ("pp", "batch", "tp")), ((2, 2, 2, 2), ("pp", "dp_replicate", "fsdp", "tp"))]
+    views = [
+        ((2, 4, 2), ("pp", "batch", "tp")),
+        ((2, 2, 2, 2), ("pp", "dp_replicate", "fsdp", "tp")),
+    ]
     for rank in range(16):
         fake_rank(rank, 16)
         world = init_device_mesh("cpu", (16,), mesh_dim_names=("world",))

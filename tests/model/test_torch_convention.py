@@ -26,7 +26,13 @@ def test_dims_flattened_names_and_roles() -> None:
 
 
 def test_tuple_ops_and_explicit_name() -> None:
-    a = meshsim.expect("torch", 8, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"), ops=[("flatten", ("dp", "tp"), "all")])
+    a = meshsim.expect(
+        "torch",
+        8,
+        mesh_shape=(2, 4),
+        mesh_dim_names=("dp", "tp"),
+        ops=[("flatten", ("dp", "tp"), "all")],
+    )
     assert a.groups("all") == [tuple(range(8))]
 
 
@@ -34,10 +40,27 @@ def test_unflatten_views_like_torchtitan() -> None:
     expected = meshsim.expect(
         "torch",
         16,
-        ops=["unflatten world 2,4,2 -> pp,batch,tp", "unflatten world 2,2,2,2 -> pp,dp_replicate,fsdp,tp"],
+        ops=[
+            "unflatten world 2,4,2 -> pp,batch,tp",
+            "unflatten world 2,2,2,2 -> pp,dp_replicate,fsdp,tp",
+        ],
     )
-    assert expected.groups("batch") == [(0, 2, 4, 6), (1, 3, 5, 7), (8, 10, 12, 14), (9, 11, 13, 15)]
-    assert expected.groups("fsdp") == [(0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 14), (13, 15)]
+    assert expected.groups("batch") == [
+        (0, 2, 4, 6),
+        (1, 3, 5, 7),
+        (8, 10, 12, 14),
+        (9, 11, 13, 15),
+    ]
+    assert expected.groups("fsdp") == [
+        (0, 2),
+        (1, 3),
+        (4, 6),
+        (5, 7),
+        (8, 10),
+        (9, 11),
+        (12, 14),
+        (13, 15),
+    ]
 
 
 def test_explicit_mesh() -> None:
@@ -52,10 +75,22 @@ def test_explicit_mesh() -> None:
         ({"mesh_shape": (4, 4)}, "Mesh should not be bigger than default world size 8"),
         ({"mesh_shape": (2, 2)}, "covers 4 ranks, not the world size 8"),
         ({"mesh_shape": (2, 4), "mesh_dim_names": ("a", "a")}, "unique"),
-        ({"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["flatten b,a"]}, "ascending order"),
-        ({"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["squash a"]}, "cannot parse op"),
-        ({"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["flatten a,c"]}, "no mesh view holds"),
-        ({"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["flatten a,b -> b"]}, "already exists"),
+        (
+            {"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["flatten b,a"]},
+            "ascending order",
+        ),
+        (
+            {"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["squash a"]},
+            "cannot parse op",
+        ),
+        (
+            {"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["flatten a,c"]},
+            "no mesh view holds",
+        ),
+        (
+            {"mesh_shape": (2, 4), "mesh_dim_names": ("a", "b"), "ops": ["flatten a,b -> b"]},
+            "already exists",
+        ),
         ({"mesh_shape": (8,), "roles": {"tensor": "nope"}}, "unknown kind 'nope'"),
         ({"mesh_shape": (8,), "roles": {"tensr": "world"}}, "unknown role 'tensr'"),
         ({"mesh_shapes": (8,)}, "takes no config key\\(s\\) \\['mesh_shapes'\\]"),
@@ -67,7 +102,9 @@ def test_errors(config: dict, message: str) -> None:  # type: ignore[type-arg]
 
 
 def test_unknown_framework_and_bad_world() -> None:
-    with pytest.raises(LayoutError, match="unknown framework 'jax'; known frameworks: torch, olmo-core"):
+    with pytest.raises(
+        LayoutError, match="unknown framework 'jax'; known frameworks: torch, olmo-core"
+    ):
         meshsim.expect("jax", 8)
     with pytest.raises(LayoutError, match="world_size must be an integer >= 1, got 0"):
         meshsim.expect("torch", 0)

@@ -63,7 +63,9 @@ def validate_world_size(world_size: int) -> None:
         raise LayoutError(f"world_size must be an integer >= 1, got {world_size!r}")
 
 
-def reject_unknown(framework: str, config: Mapping[str, Any], parameters: Mapping[str, str]) -> None:
+def reject_unknown(
+    framework: str, config: Mapping[str, Any], parameters: Mapping[str, str]
+) -> None:
     """Raise for config keys the framework does not take, listing the ones it does."""
     unknown = sorted(set(config) - set(parameters))
     if unknown:

@@ -1,0 +1,86 @@
+"""Fixtures the meshsim plugin exposes to every test suite that has meshsim installed.
+
+* ``rank``, ``world_size``, ``backend``: inside a ``@pytest.mark.meshsim`` test body, the rank
+  the body runs as, the world size and the backend of this item.
+* ``meshsim_expected``: the :class:`meshsim.Expected` of the layout a test is parametrized
+  with (a :class:`meshsim.LayoutCase` parameter named ``layout_case``, see
+  :func:`parametrize_layouts`) or marked with ``@pytest.mark.meshsim_layout(framework, **config)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshsim.model.expected import Expected
+from meshsim.model.sweep import LayoutCase, layouts
+
+#: What the ``rank`` fixture holds in the parent process, before a rank substitutes itself.
+RANK_PLACEHOLDER = -1
+
+
+def _case(request: pytest.FixtureRequest) -> tuple[str, int]:
+    callspec = getattr(request.node, "callspec", None)
+    case = None if callspec is None else callspec.params.get("_meshsim_case")
+    if case is None:
+        raise pytest.UsageError(
+            f"fixture {request.fixturename!r} only exists in @pytest.mark.meshsim tests "
+            f"({request.node.nodeid} has no such marker)"
+        )
+    return case  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def rank(request: pytest.FixtureRequest) -> int:
+    """The rank this copy of the test body runs as (substituted on each rank)."""
+    _case(request)
+    return RANK_PLACEHOLDER
+
+
+@pytest.fixture
+def world_size(request: pytest.FixtureRequest) -> int:
+    """The world size of this ``@pytest.mark.meshsim`` item."""
+    return _case(request)[1]
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    """The backend (fake, threaded, gloo, nccl) of this ``@pytest.mark.meshsim`` item."""
+    return _case(request)[0]
+
+
+@pytest.fixture
+def meshsim_expected(request: pytest.FixtureRequest) -> Expected:
+    """The reference groups of this test's layout."""
+    callspec = getattr(request.node, "callspec", None)
+    params: dict[str, Any] = {} if callspec is None else callspec.params
+    case = params.get("layout_case")
+    if isinstance(case, LayoutCase):
+        return case.expect()
+    marker = request.node.get_closest_marker("meshsim_layout")
+    if marker is None:
+        raise pytest.UsageError(
+            f"{request.node.nodeid}: meshsim_expected needs a 'layout_case' parameter "
+            "(meshsim.fixtures.parametrize_layouts) or "
+            "@pytest.mark.meshsim_layout(framework, **config)"
+        )
+    from meshsim.model.conventions import expect
+
+    config = dict(marker.kwargs)
+    size = config.pop("world_size", None)
+    if size is None:
+        size = _case(request)[1]
+    return expect(marker.args[0], size, **config)
+
+
+def parametrize_layouts(
+    world_size: int, framework: str | list[str] | None = None, **options: Any
+) -> Any:
+    """``@parametrize_layouts(8, "megatron")``: one test item per valid layout, readable ids.
+
+    The test takes a ``layout_case`` argument (a :class:`meshsim.LayoutCase`) and may use the
+    ``meshsim_expected`` fixture.
+    """
+    cases = layouts(world_size, framework, **options)
+    return pytest.mark.parametrize("layout_case", cases, ids=[c.id for c in cases])

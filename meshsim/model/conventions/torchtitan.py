@@ -1,0 +1,373 @@
+"""torchtitan ``ParallelDims``: current multi-view mesh, intermediate, legacy and hyper_parallel.
+
+``version`` picks the code modelled (``torchtitan/distributed/parallel_dims.py``):
+
+* ``"current"`` (default; since Dec 2025): a 1-D ``world`` mesh unflattened into views, each
+  row-major with ``pp`` outermost: dataloading ``(pp, batch, cp, tp)``; ``loss`` =
+  flatten(batch, cp); dense ``(pp, dp_replicate, dp_shard, cp, tp)`` plus ``(pp, dp, cp, tp)``
+  under ``spmd_backend="spmd_types"`` (default) or ``(pp, dp_replicate, fsdp, tp)`` under
+  ``"partial_dtensor"``; sparse ``(pp, dp_replicate, efsdp, ep)``.
+* ``"intermediate"`` (Dec 2025 - early 2026): sparse ``(pp, dp_replicate, efsdp, ep, etp)`` and a
+  ``full_dtensor`` switch (``spmd_backend="partial_dtensor"`` default, or ``"full_dtensor"``).
+* ``"legacy"`` and ``"hyper_parallel"``: one root mesh with flattened aliases
+  (see ``_torchtitan_legacy``).
+
+Kinds are the names torchtitan users pass to ``get_mesh``. An axis ``get_mesh`` refuses (degree 1,
+fake-backed) is an *unavailable* kind holding torchtitan's ``ValueError("Mesh '<x>' is not
+available ...")``; its groups are well defined on the fake backend, but no process group exists,
+so a live check must not find one. ``get_all_one_dimensional_meshes`` and ``get_mesh`` (multi-axis
+requests included) are mirrored by the functions of the same names here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from meshsim.errors import LayoutError
+from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions._torchtitan_legacy import (
+    Degrees,
+    check,
+    hyper_parallel,
+    legacy,
+    pick_roles,
+    validate_dense,
+    validate_hyper,
+)
+from meshsim.model.expected import Expected, Kind
+from meshsim.model.groups import Groups
+from meshsim.model.layout import Layout
+from meshsim.model.sweep import divisors, ordered_factorizations
+
+PARAMETERS: Final[Mapping[str, str]] = {
+    "dp_replicate": "data_parallel_replicate_degree (default 1)",
+    "dp_shard": "data_parallel_shard_degree (default -1: the rest of the world)",
+    "cp": "context_parallel_degree (default 1)",
+    "tp": "tensor_parallel_degree (default 1)",
+    "pp": "pipeline_parallel_degree (default 1)",
+    "ep": "expert_parallel_degree (default 1)",
+    "etp": "expert_tensor_parallel_degree: 1 or tp (intermediate, legacy, hyper_parallel)",
+    "spmd_backend": "current: 'spmd_types' (default) or 'partial_dtensor'; intermediate: "
+    "'partial_dtensor' (default) or 'full_dtensor'",
+    "version": "'current' (default), 'intermediate', 'legacy' or 'hyper_parallel'",
+    "ulysses_degree": "hyper_parallel only: Ulysses sub-degree of cp",
+}
+VERSIONS: Final = ("current", "intermediate", "legacy", "hyper_parallel")
+_BACKENDS: Final[Mapping[str, tuple[str, ...]]] = {
+    "current": ("spmd_types", "partial_dtensor"),
+    "intermediate": ("partial_dtensor", "full_dtensor"),
+}
+_DESCRIPTIONS: Final[Mapping[str, str]] = {
+    "pp": "pipeline parallel (PP)",
+    "batch": "dp_replicate * dp_shard: data loading (no cp)",
+    "loss": "flatten(batch, cp) ('loss_mesh'): loss and token-count all-reduce",
+    "dp_replicate": "DDP / HSDP replicate axis of the dense view",
+    "cp": "context parallel (CP)",
+    "tp": "tensor parallel (TP)",
+    "ep": "expert parallel: innermost axis of the sparse view",
+    "efsdp": "FSDP axis of expert parameters in the sparse view",
+    "etp": "expert tensor parallel: innermost axis of the sparse view",
+    "dp": "dp_replicate * dp_shard: the SPMD forward/backward data axis",
+    "dp_shard": "FSDP shard axis of the dense storage view",
+    "fsdp": "dp_shard * cp: FSDP parameter-sharding axis",
+}
+_ROLES: Final[Mapping[str, str]] = {
+    # ``batch`` is what the data loader asks for under both spmd backends (``dp`` has the same
+    # groups under spmd_types). The full gradient-reduction domain is dp_replicate x dp_shard x
+    # cp (FSDP shards over dp_shard x cp and replicates over dp_replicate), which is ``loss``.
+    "data_parallel": "batch",
+    "gradient_reduce": "loss",
+    "loss": "loss",
+    "tensor": "tp",
+    "context": "cp",
+    "pipeline": "pp",
+    "expert": "ep",
+    "expert_data": "efsdp",
+}
+
+
+def expect(world_size: int, **config: Any) -> Expected:
+    """Every group torchtitan's ``ParallelDims`` builds for ``config`` on ``world_size`` ranks.
+
+    Example: ``expect(8, dp_shard=4, tp=2, ep=2).groups("ep")`` equals ``groups("tp")``:
+    ``(0, 1)``, ``(2, 3)``, ``(4, 5)``, ``(6, 7)`` (ep is the innermost sparse axis).
+    """
+    reject_unknown("torchtitan", config, PARAMETERS)
+    version, backend, raw, ulysses = _parse(config)
+    normal: dict[str, Any] = {"version": version}
+    if version == "legacy":
+        degrees = validate_dense(world_size, raw, with_etp=True)
+        kinds, roles, layout = legacy(degrees)
+    elif version == "hyper_parallel":
+        degrees = validate_hyper(world_size, raw, ulysses)
+        kinds, roles, layout = hyper_parallel(degrees)
+        if ulysses is not None:
+            normal["ulysses_degree"] = ulysses
+    else:
+        views = _views(world_size, version, backend, raw)
+        degrees = views.degrees
+        kinds = views.kinds()
+        roles = pick_roles(kinds, _ROLES)
+        layout = views.global_meshes["dense"].root()
+        normal["spmd_backend"] = backend
+    normal.update({k: v for k, v in asdict(degrees).items() if k != "world_size"})
+    if version == "current":
+        del normal["etp"]
+    return Expected("torchtitan", world_size, normal, kinds.values(), roles, layout=layout)
+
+
+def _parse(config: Mapping[str, Any]) -> tuple[str, str | None, dict[str, int], int | None]:
+    version = config.get("version", "current")
+    if version not in VERSIONS:
+        raise LayoutError(f"unknown torchtitan version {version!r}; versions are {VERSIONS}")
+    allowed = _BACKENDS.get(version, ())
+    backend = config.get("spmd_backend")
+    if backend is None:
+        backend = allowed[0] if allowed else None
+    elif backend not in allowed:
+        raise LayoutError(
+            f"spmd_backend {backend!r} does not exist in torchtitan version {version!r}; "
+            f"choose from {allowed or 'nothing (leave it out)'}"
+        )
+    raw: dict[str, int] = {}
+    for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp"):
+        value = config.get(key, -1 if key == "dp_shard" else 1)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LayoutError(f"{key} must be an integer degree, got {value!r}")
+        raw[key] = value
+    if version == "current" and raw["etp"] != 1:
+        raise LayoutError(
+            f"the current torchtitan ParallelDims has no etp (expert TP left with the "
+            f"intermediate sparse view); got etp={raw['etp']}. Use version='intermediate' or "
+            f"'legacy', or leave etp out"
+        )
+    ulysses = config.get("ulysses_degree")
+    if ulysses is not None and (version != "hyper_parallel" or not isinstance(ulysses, int)):
+        raise LayoutError(
+            f"ulysses_degree is an integer option of version='hyper_parallel' only; got "
+            f"{ulysses!r} with version={version!r}"
+        )
+    if ulysses is not None and ulysses < 1:
+        raise LayoutError(f"ulysses_degree must be >= 1, got {ulysses}")
+    return version, backend, raw, ulysses
+
+
+@dataclass(frozen=True)
+class _Views:
+    """The views one current/intermediate ``ParallelDims.build_mesh`` makes."""
+
+    degrees: Degrees
+    version: str
+    backend: str
+    single: dict[str, Layout]  # ``_single_axis_meshes``, in torchtitan's order
+    global_meshes: dict[str, Layout]  # ``_global_meshes``: where multi-axis requests are sliced
+
+    def exists(self, axis: str) -> bool:
+        """``_mesh_exist``: is the axis backed by a real process group (not ``fake``)?"""
+        if axis == "fsdp":
+            return True  # fully_shard needs it, even at degree 1, for mixed precision
+        if axis == "dp_shard" and self.backend == "spmd_types":
+            return True
+        if axis == "efsdp":
+            return self.degrees.ep > 1
+        return self.single[axis].size > 1
+
+    def kinds(self) -> dict[str, Kind]:
+        kinds: dict[str, Kind] = {}
+        for axis, view in self.single.items():
+            if self.exists(axis):
+                kinds[axis] = Kind(
+                    axis,
+                    _DESCRIPTIONS[axis],
+                    view.groups,
+                    mesh_dims=view.dim_names,
+                    mesh_shape=view.shape,
+                )
+            else:
+                kinds[axis] = Kind(axis, _DESCRIPTIONS[axis], _not_available(axis))
+        return kinds
+
+
+def _not_available(dims: str | Sequence[str]) -> LayoutError:
+    enabled = "enabled (size > 1)" if isinstance(dims, str) else "all enabled"
+    return LayoutError(
+        f"Mesh '{dims}' is not available. Ensure the corresponding parallelism dimension is "
+        f"{enabled}.",
+        upstream="ValueError",
+    )
+
+
+def _views(world_size: int, version: str, backend: str | None, raw: Mapping[str, int]) -> _Views:
+    if version == "current":
+        d = validate_dense(world_size, raw, with_etp=False)
+        region = d.dp_shard * d.cp * d.tp
+        check(
+            region % d.ep == 0,
+            f"expert_parallel_degree ({d.ep}) must divide dp_shard * cp * tp ({region})",
+            "ValueError",
+        )
+        expert_axes, expert_sizes = ("ep",), (d.ep,)
+    elif version == "intermediate":
+        d = validate_dense(world_size, raw, with_etp=True)
+        check(d.ep == 1 or d.etp in (1, d.tp), "Currently we only support ETP=TP or ETP=1")
+        expert_axes, expert_sizes = ("ep", "etp"), (d.ep, d.etp)
+    else:
+        raise LayoutError(
+            f"get_mesh and get_all_one_dimensional_meshes exist in versions 'current' and "
+            f"'intermediate'; version {version!r} has one root mesh: slice expect(...).layout"
+        )
+    assert backend is not None
+    world = Layout(world=world_size)
+
+    def unflatten(names: tuple[str, ...], sizes: tuple[int, ...]) -> Layout:
+        if math.prod(sizes) != world_size:  # only the intermediate efsdp can get here
+            raise LayoutError(
+                f"The product of sizes={sizes} is {math.prod(sizes)}, but the size of dim "
+                f"'world' is {world_size} (unflattening {names}: efsdp = dp_shard * cp * tp // "
+                f"(etp * ep) does not tile the world)",
+                upstream="ValueError",
+            )
+        return world.unflatten("world", sizes, names)
+
+    batch, fsdp = d.dp_replicate * d.dp_shard, d.dp_shard * d.cp
+    efsdp = fsdp * d.tp // math.prod(expert_sizes)
+    dataloading = unflatten(("pp", "batch", "cp", "tp"), (d.pp, batch, d.cp, d.tp))
+    loss = dataloading["batch", "cp"].flatten(name="loss_mesh")
+    fwdbwd = None
+    if backend == "partial_dtensor":
+        dense = unflatten(("pp", "dp_replicate", "fsdp", "tp"), (d.pp, d.dp_replicate, fsdp, d.tp))
+    else:
+        dense = unflatten(
+            ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+            (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
+        )
+        if backend == "spmd_types":
+            fwdbwd = unflatten(("pp", "dp", "cp", "tp"), (d.pp, batch, d.cp, d.tp))[
+                "dp", "cp", "tp"
+            ]
+    sparse = unflatten(
+        ("pp", "dp_replicate", "efsdp", *expert_axes), (d.pp, d.dp_replicate, efsdp, *expert_sizes)
+    )
+    global_meshes = {"dataloading": dataloading, "loss": loss, "dense": dense, "sparse": sparse}
+    if fwdbwd is not None:
+        global_meshes["spmd_dense_for_fwdbwd"] = fwdbwd
+        if d.ep > 1:
+            global_meshes["spmd_sparse_for_fwdbwd"] = sparse["dp_replicate", "efsdp", "ep"]
+    single = {
+        "pp": dataloading["pp"],
+        "batch": dataloading["batch"],
+        "loss": loss,
+        "dp_replicate": dense["dp_replicate"],
+        "cp": dataloading["cp"],
+        "tp": dataloading["tp"],
+        "ep": sparse["ep"],
+        "efsdp": sparse["efsdp"],
+    }
+    if "etp" in expert_axes:
+        single["etp"] = sparse["etp"]
+    if fwdbwd is not None:
+        single["dp"] = fwdbwd["dp"]
+    if backend == "partial_dtensor":
+        single["fsdp"] = dense["fsdp"]
+    else:
+        single["dp_shard"] = dense["dp_shard"]
+    return _Views(d, version, backend, single, global_meshes)
+
+
+def _views_for(world_size: int, config: Mapping[str, Any]) -> _Views:
+    reject_unknown("torchtitan", config, PARAMETERS)
+    version, backend, raw, _ = _parse(config)
+    return _views(world_size, version, backend, raw)
+
+
+def get_mesh(world_size: int, dims: str | Sequence[str], **config: Any) -> Layout:
+    """``ParallelDims.get_mesh(dims)``: one axis, or several sliced from the first global view
+    holding them all (dataloading, loss, dense, sparse, then the spmd_types views).
+
+    Example: ``get_mesh(8, ["dp_replicate", "fsdp"], dp_replicate=2, dp_shard=2, tp=2,
+    spmd_backend="partial_dtensor").shape`` is ``(2, 2)``.
+    """
+    views = _views_for(world_size, config)
+    names = [dims] if isinstance(dims, str) else list(dims)
+    for name in names:
+        if name not in views.single:
+            raise LayoutError(
+                f"Invalid mesh dim: '{name}'. Valid dimensions are: {list(views.single)}",
+                upstream="ValueError",
+            )
+    if not all(views.exists(name) for name in names):
+        raise _not_available(dims)
+    if len(names) == 1:
+        return views.single[names[0]]
+    for mesh in views.global_meshes.values():
+        if set(names) <= set(mesh.dim_names):
+            return mesh[tuple(names)]
+    raise LayoutError(f"Invalid mesh name combinations {names}.", upstream="ValueError")
+
+
+def get_all_one_dimensional_meshes(world_size: int, **config: Any) -> dict[str, Groups]:
+    """``ParallelDims.get_all_one_dimensional_meshes``: axis -> groups, for axes of size > 1.
+
+    The current version also drops fake-backed axes (``efsdp`` when ep == 1); the intermediate
+    one keeps them. Example: dp_replicate=2, dp_shard=2, tp=2 under spmd_types gives batch, loss,
+    dp_replicate, tp, dp and dp_shard.
+    """
+    views = _views_for(world_size, config)
+    return {
+        axis: view.groups()
+        for axis, view in views.single.items()
+        if view.size > 1 and (views.version == "intermediate" or views.exists(axis))
+    }
+
+
+def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
+    """Every valid config of each version: all factorizations of the world into
+    (pp, dp_replicate, dp_shard, cp, tp), each with every valid (ep, etp).
+
+    ``versions=`` restricts the versions; ``spmd_backends=`` picks the backends to sweep where a
+    version has them (each version's default otherwise, to keep sweeps small). hyper_parallel
+    rejects pp > 1 and makes ep a factor of the world, so it factorizes (dp_replicate, dp_shard,
+    ep, cp, tp). World 8 gives 340 configs.
+    """
+    versions = tuple(options.get("versions", VERSIONS))
+    unknown = set(versions) - set(VERSIONS)
+    if unknown:
+        raise LayoutError(f"unknown torchtitan versions {sorted(unknown)}; versions are {VERSIONS}")
+    wanted = tuple(options.get("spmd_backends", ()))
+    for version in versions:
+        allowed = _BACKENDS.get(version, (None,))
+        backends = [b for b in allowed if b in wanted] or [allowed[0]]
+        if version == "hyper_parallel":
+            for dpr, dps, ep, cp, tp in ordered_factorizations(world_size, 5):
+                for etp in (1, tp) if ep > 1 and tp > 1 else (1,):
+                    degrees = dict(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=1, ep=ep)
+                    yield {"version": version, **degrees, "etp": etp}
+            continue
+        for pp, dpr, dps, cp, tp in ordered_factorizations(world_size, 5):
+            base = dict(version=version, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp)
+            for ep in divisors(dps * cp * tp):
+                for etp in _valid_etps(version, dps, cp, tp, ep):
+                    for backend in backends:
+                        config = {**base, "ep": ep, **({"etp": etp} if etp else {})}
+                        if backend != allowed[0]:
+                            config["spmd_backend"] = backend
+                        yield config
+
+
+def _valid_etps(version: str, dp_shard: int, cp: int, tp: int, ep: int) -> tuple[int, ...]:
+    if version == "current":
+        return (0,)  # no etp key
+    if ep == 1:
+        return (1,)
+    etps = tuple(dict.fromkeys((tp, 1)))
+    if version == "intermediate":
+        return tuple(e for e in etps if (dp_shard * cp * tp) % (ep * e) == 0)
+    return tuple(  # legacy: EP borrows cp [and tp] and part of dp_shard
+        e
+        for e in etps
+        if ep % (cp * (tp if e == 1 else 1)) == 0
+        and (dp_shard * cp * (tp if e == 1 else 1)) % ep == 0
+    )

@@ -1,0 +1,404 @@
+"""DeepSpeed convention: ProcessTopology and its quirks, PipelineParallelGrid, MoE groups."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import meshsim
+from meshsim import Groups, LayoutError
+from meshsim.model.conventions import deepspeed
+from meshsim.model.conventions.deepspeed import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    default_topology,
+    expert_parallel_ranks,
+    prime_factors,
+)
+from meshsim.model.sweep import divisors, ordered_factorizations
+
+
+def expect(world: int, **config: Any) -> meshsim.Expected:
+    return meshsim.expect("deepspeed", world, **config)
+
+
+def reference_expert_ranks(
+    world: int, tp: int, ep: int, pp: int, d_before_e: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``_get_expert_parallel_ranks`` restated with loops."""
+    dp = world // (tp * pp)
+    stage = world // pp
+    dense = []
+    for start in range(0, world, stage):
+        for lane in range(tp):
+            if d_before_e:
+                per_expert = dp // ep
+                row: list[int] = []
+                for ds in range(per_expert):
+                    row += list(range(start + lane + ds * tp, start + stage, per_expert * tp))
+                dense.append(row)
+            else:
+                dense.append(list(range(start + lane, start + stage, tp)))
+    experts, expert_data = [], []
+    for row in dense:
+        chunks = [row[i : i + ep] for i in range(0, dp, ep)]
+        experts += chunks
+        expert_data += [list(g) for g in zip(*chunks)]
+    return experts, expert_data
+
+
+@st.composite
+def topologies(draw: st.DrawFn, max_world: int = 64) -> tuple[int, int, int, int]:
+    """(world, num_pp, num_mp, num_dp) with num_pp × num_mp × num_dp = world."""
+    world = draw(st.integers(1, max_world))
+    pp = draw(st.sampled_from(divisors(world)))
+    mp = draw(st.sampled_from(divisors(world // pp)))
+    return world, pp, mp, world // (pp * mp)
+
+
+# -- ProcessTopology ---------------------------------------------------------------------------
+
+
+def test_process_topology_docstring_examples() -> None:
+    x = ProcessTopology(axes=["x", "y"], dims=[2, 3])
+    assert x.get_rank(x=0, y=1) == 1
+    assert x.get_dim("y") == 3
+    coord = x.get_coord(rank=1)
+    assert (coord.x, coord.y) == (0, 1)
+    assert type(coord).__name__ == "ProcessCoord"
+    assert x.get_axis_list(axis="x", idx=0) == [0, 1, 2]
+    assert x.get_axis_list(axis="y", idx=0) == [0, 3]
+    topo = ProcessTopology(axes=["pipe", "data", "model"], dims=[2, 2, 2])
+    assert topo.get_axis_comm_lists("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.filter_match(pipe=0, data=1) == [2, 3]
+    assert [tuple(topo.get_coord(r)) for r in topo.filter_match(pipe=0, data=1)] == [
+        (0, 1, 0),
+        (0, 1, 1),
+    ]
+    ab = ProcessTopology(axes=["a", "b"], dims=[2, 2])
+    assert ab.get_rank_repr(rank=3) == "a_01-b_01"
+    assert ab.get_rank_repr(rank=3, omit_axes=["a"]) == "b_01"
+    assert topo.get_rank_repr(rank=5) == "model_01"
+    assert topo.get_rank_repr(rank=5, omit_axes=(), inner_sep="=", outer_sep="/") == (
+        "pipe=01/data=00/model=01"
+    )
+
+
+def test_process_topology_quirks() -> None:
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert topo.get_dim("tensor") == 0
+    assert topo.get_axis_comm_lists("tensor") == []
+    assert topo.get_axis_list("data", 5) == []
+    assert topo.filter_match(pipe=9) == []
+    assert topo.world_size() == 8
+    assert topo.get_axis_names() == ["pipe", "data", "model"]
+    assert topo.dims == [2, 2, 2] and topo.axes == ["pipe", "data", "model"]
+    assert topo == ProcessTopology(["pipe", "data", "model"], [2, 2, 2])
+    assert repr(topo) == "ProcessTopology(axes=['pipe', 'data', 'model'], dims=[2, 2, 2])"
+
+
+@pytest.mark.parametrize(
+    ("call", "upstream", "message"),
+    [
+        (lambda t: t.get_rank(pipe=0, data=0), "ValueError", "does not take slices"),
+        (lambda t: t.get_rank(pipe=0, data=0, tensor=0), "TypeError", r"unknown axes \['tensor'\]"),
+        (lambda t: t.get_rank(pipe=0, data=0, model=2), "AssertionError", "outside the topology"),
+        (lambda t: t.get_coord(8), "ValueError", "rank 8 not found in topology"),
+        (lambda t: t.get_coord(-1), "ValueError", "rank -1 not found"),
+        (lambda t: t.get_axis_list("tensor", 0), "ValueError", "'tensor' is not an axis"),
+        (lambda t: t.filter_match(tensor=0), "AttributeError", "unknown axes"),
+    ],
+)
+def test_process_topology_errors(call: Any, upstream: str, message: str) -> None:
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    with pytest.raises(LayoutError, match=message) as info:
+        call(topo)
+    assert info.value.upstream == upstream
+    assert isinstance(info.value, ValueError)  # LayoutError is a ValueError, as DeepSpeed's
+
+
+@pytest.mark.parametrize(
+    ("axes", "dims", "upstream", "message"),
+    [
+        (["a", "b"], [2], "IndexError", "2 axes"),
+        (["a"], [2, 2], None, "2 dims"),
+        (["a", "a"], [2, 2], "ValueError", "distinct identifiers"),
+        (["a", "class"], [2, 2], "ValueError", "invalid"),
+        (["a", "_b"], [2, 2], "ValueError", "invalid"),
+    ],
+)
+def test_process_topology_construction_errors(
+    axes: list[str], dims: list[int], upstream: str | None, message: str
+) -> None:
+    with pytest.raises(LayoutError, match=message) as info:
+        ProcessTopology(axes, dims)
+    assert info.value.upstream == upstream
+
+
+@given(topologies())
+def test_pipe_model_data_topology_layout(case: tuple[int, int, int, int]) -> None:
+    world, pp, mp, dp = case
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=mp, num_dp=dp)
+    for rank in range(world):
+        coord = topo.get_coord(rank)
+        assert rank == (coord.pipe * dp + coord.data) * mp + coord.model
+        assert topo.get_rank(**coord._asdict()) == rank
+    # Comm lists: one per combination of the other axes, row-major; ranks in axis order.
+    for axis in topo.axes:
+        others = [a for a in topo.axes if a != axis]
+        expected = [
+            [
+                topo.get_rank(**dict(zip(others, combo)), **{axis: i})
+                for i in range(topo.get_dim(axis))
+            ]
+            for combo in itertools.product(*(range(topo.get_dim(a)) for a in others))
+        ]
+        assert topo.get_axis_comm_lists(axis) == expected
+        assert topo.comm_groups(axis) == Groups(expected)
+
+
+def test_pipe_data_topology() -> None:
+    topo = PipeDataParallelTopology(num_pp=2, num_dp=3)
+    assert topo.axes == ["pipe", "data"]
+    assert topo.get_axis_comm_lists("data") == [[0, 1, 2], [3, 4, 5]]
+    assert topo.get_axis_comm_lists("pipe") == [[0, 3], [1, 4], [2, 5]]
+    assert topo.get_rank_repr(4) == ""
+
+
+# -- the grid's default topology ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world", "pipe", "data"),
+    [(1, 1, 1), (2, 2, 1), (8, 4, 2), (12, 6, 2), (16, 4, 4), (30, 10, 3)],
+)
+def test_default_topology_deals_prime_factors(world: int, pipe: int, data: int) -> None:
+    topo = default_topology(world)
+    assert (topo.axes, topo.dims) == (["pipe", "data"], [pipe, data])
+    exp = expect(world)
+    assert exp.config["dims"] == (pipe, data)
+    assert exp.groups("model") == Groups([(r,) for r in range(world)])
+
+
+def test_prime_factors() -> None:
+    assert prime_factors(1) == []
+    assert prime_factors(12) == [2, 2, 3]
+    assert prime_factors(97) == [97]
+    with pytest.raises(LayoutError, match="strictly positive") as info:
+        prime_factors(0)
+    assert info.value.upstream == "ValueError"
+
+
+# -- PipelineParallelGrid -------------------------------------------------------------------------
+
+
+def test_grid_groups_literal() -> None:
+    exp = expect(8, num_pp=2, num_mp=2, num_dp=2)
+    assert exp.groups("pipe") == Groups([(0, 4), (1, 5), (2, 6), (3, 7)])
+    assert exp.groups("data") == Groups([(0, 2), (1, 3), (4, 6), (5, 7)])
+    assert exp.groups("model") == Groups([(0, 1), (2, 3), (4, 5), (6, 7)])
+    assert exp.groups("model_parallel") == Groups([(0, 1, 4, 5), (2, 3, 6, 7)])
+    assert exp.groups("p2p").array.tolist() == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+        [4, 0],
+        [5, 1],
+        [6, 2],
+        [7, 3],
+    ]
+    assert exp.groups("embedding") == Groups([(0, 4), (1, 5), (2, 6), (3, 7)])
+    assert not exp.kind("p2p").partition
+    assert dict(exp.roles) == {
+        "data_parallel": "data",
+        "gradient_reduce": "data",
+        "loss": "data",
+        "tensor": "model",
+        "pipeline": "pipe",
+        "embedding": "embedding",
+    }
+
+
+def test_p2p_pairs_wrap_around_and_single_stage() -> None:
+    three = expect(6, num_pp=3, num_dp=2)
+    assert three.groups("p2p").array.tolist() == [[0, 2], [1, 3], [2, 4], [3, 5], [4, 0], [5, 1]]
+    assert not three.kind("embedding").partition
+    assert three.groups("embedding") == Groups([(0, 4), (1, 5)])
+    one = expect(4, num_pp=1, num_dp=4)
+    assert one.groups("p2p").array.tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
+    assert "embedding" not in one.kinds()  # PipelineModule ties nothing with one stage
+    assert "embedding" not in one.roles
+
+
+def test_pipe_data_topology_has_singleton_slices() -> None:
+    exp = expect(8, num_pp=2, num_dp=4)
+    assert exp.config["axes"] == ("pipe", "data")
+    assert exp.groups("model") == Groups([(r,) for r in range(8)])
+    assert exp.groups("model_parallel") == exp.groups("pipe")
+
+
+def test_num_dp_is_derived_when_omitted() -> None:
+    exp = expect(16, num_pp=2, num_mp=2)
+    assert exp.config["dims"] == (2, 4, 2)
+
+
+def test_raw_topology() -> None:
+    exp = expect(12, axes=["x", "y"], dims=[3, 4])
+    assert list(exp.kinds()) == ["x", "y"]
+    assert exp.groups("y") == Groups([(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)])
+    assert dict(exp.roles) == {}
+    grid = expect(8, axes=["data", "pipe", "model"], dims=[2, 2, 2])
+    assert grid.groups("data") == Groups([(0, 4), (1, 5), (2, 6), (3, 7)])
+    assert grid.groups("model_parallel") == Groups([(0, 1, 2, 3), (4, 5, 6, 7)])
+
+
+@pytest.mark.parametrize(
+    ("config", "upstream", "message"),
+    [
+        ({"num_pp": 2, "num_mp": 2, "num_dp": 3}, "AssertionError", "Invalid Grid"),
+        ({"num_pp": 3, "num_mp": 2}, "AssertionError", "covers 6 ranks, not the world size 8"),
+        ({"axes": ["x", "y"], "dims": [2, 2]}, None, "covers 4 ranks"),
+        ({"axes": ["x"], "num_pp": 2}, None, "not both"),
+        ({"axes": ["x"]}, None, "needs both axes and dims"),
+        ({"num_pp": 0}, None, "num_pp must be an integer >= 1, got 0"),
+        ({"ep": 0}, None, "ep must be an integer >= 1"),
+        ({"mesh_shape": (8,)}, None, "takes no config key"),
+        (
+            {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 4},
+            "AssertionError",
+            "data-parallel size 2 .* is not divisible by expert parallel size 4",
+        ),
+    ],
+)
+def test_grid_errors(config: dict[str, Any], upstream: str | None, message: str) -> None:
+    with pytest.raises(LayoutError, match=message) as info:
+        expect(8, **config)
+    assert info.value.upstream == upstream
+
+
+@given(topologies())
+def test_pipe_model_data_equals_megatron_tp_dp_pp(case: tuple[int, int, int, int]) -> None:
+    world, pp, mp, dp = case
+    ours = expect(world, num_pp=pp, num_mp=mp, num_dp=dp)
+    megatron = meshsim.expect(
+        "megatron",
+        world,
+        tensor_model_parallel_size=mp,
+        pipeline_model_parallel_size=pp,
+        order="tp-dp-pp",
+    )
+    same = {"pipe": "pp", "data": "dp", "model": "tp", "model_parallel": "tp-pp"}
+    for kind, theirs in same.items():
+        assert ours.groups(kind) == megatron.groups(theirs), kind
+        assert ours.groups(kind).is_partition_of(world)
+    if pp > 1:
+        assert ours.groups("embedding") == megatron.groups("embedding")
+
+
+def test_pipe_model_data_equals_megatron_for_every_world_up_to_64() -> None:
+    checked = 0
+    for world in range(1, 65):
+        for pp, mp, dp in ordered_factorizations(world, 3):
+            ours = expect(world, num_pp=pp, num_mp=mp, num_dp=dp)
+            megatron = meshsim.expect(
+                "megatron",
+                world,
+                tensor_model_parallel_size=mp,
+                pipeline_model_parallel_size=pp,
+                order="tp-dp-pp",
+            )
+            assert ours.groups("data") == megatron.groups("dp")
+            assert ours.groups("model") == megatron.groups("tp")
+            assert ours.groups("pipe") == megatron.groups("pp")
+            checked += 1
+    assert checked > 500
+
+
+# -- MoE ------------------------------------------------------------------------------------------
+
+
+def test_expert_groups_docstring_example() -> None:
+    experts, expert_data = expert_parallel_ranks(16, 2, 4)
+    assert experts.array.tolist() == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert expert_data.array.tolist() == [
+        [0, 8],
+        [2, 10],
+        [4, 12],
+        [6, 14],
+        [1, 9],
+        [3, 11],
+        [5, 13],
+        [7, 15],
+    ]
+    exp = expect(16, num_mp=2, ep=4)
+    assert exp.groups("expert") == experts
+    assert exp.groups("expert_data") == expert_data
+    assert exp.kind_of("expert") == "expert" and exp.kind_of("expert_data") == "expert_data"
+
+
+def test_data_before_expert_layout() -> None:
+    experts, expert_data = expert_parallel_ranks(16, 2, 4, 1, use_data_before_expert_parallel_=True)
+    assert experts.array.tolist() == [[0, 4, 8, 12], [2, 6, 10, 14], [1, 5, 9, 13], [3, 7, 11, 15]]
+    assert expert_data.array.tolist() == [
+        [0, 2],
+        [4, 6],
+        [8, 10],
+        [12, 14],
+        [1, 3],
+        [5, 7],
+        [9, 11],
+        [13, 15],
+    ]
+
+
+def test_expert_groups_respect_pipeline_stages() -> None:
+    exp = expect(16, num_pp=2, num_mp=2, num_dp=4, ep=2)
+    assert exp.groups("expert") == Groups(
+        [(0, 2), (4, 6), (1, 3), (5, 7), (8, 10), (12, 14), (9, 11), (13, 15)]
+    )
+    assert exp.groups("expert_data") == Groups(
+        [(0, 4), (2, 6), (1, 5), (3, 7), (8, 12), (10, 14), (9, 13), (11, 15)]
+    )
+
+
+def test_expert_errors() -> None:
+    with pytest.raises(LayoutError, match=r"world size 12 is not divisible by .* 2×4 = 8") as info:
+        expert_parallel_ranks(12, 2, 1, 4)
+    assert info.value.upstream == "AssertionError"
+    with pytest.raises(LayoutError, match=r"data-parallel size 3 .* expert parallel size 2"):
+        expert_parallel_ranks(12, 2, 2, 2)
+
+
+@given(topologies(), st.data())
+def test_expert_groups_match_the_loops(
+    case: tuple[int, int, int, int], data: st.DataObject
+) -> None:
+    world, pp, mp, dp = case
+    ep = data.draw(st.sampled_from(divisors(dp)))
+    before = data.draw(st.booleans())
+    experts, expert_data = expert_parallel_ranks(world, mp, ep, pp, before)
+    ref_experts, ref_expert_data = reference_expert_ranks(world, mp, ep, pp, before)
+    assert experts.array.tolist() == ref_experts
+    assert expert_data.array.tolist() == ref_expert_data
+    assert experts.is_partition_of(world) and expert_data.is_partition_of(world)
+
+
+# -- configs ------------------------------------------------------------------------------
+
+
+def test_configs() -> None:
+    cases = list(deepspeed.configs(8))
+    assert len(cases) == 10 + 20
+    for case in cases:
+        exp = expect(8, **case)
+        for name in exp.kinds():
+            kind = exp.kind(name)
+            assert kind.groups().is_partition_of(8) == kind.partition, (case, name)
+    assert len(list(deepspeed.configs(8, moe=False))) == 10
+    assert meshsim.layouts(2, "deepspeed")[0].id == "deepspeed-2-num_pp=1-num_mp=1-num_dp=2"

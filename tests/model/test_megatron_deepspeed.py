@@ -1,0 +1,260 @@
+"""Megatron-DeepSpeed convention: the legacy loops, Ulysses SP, embeddings, amax, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import meshsim
+from meshsim import Groups, LayoutError
+from meshsim.model.conventions import megatron_deepspeed
+from meshsim.model.sweep import divisors, ordered_factorizations
+
+SHARED = {
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "mp": "tp-pp",
+    "amax": "tp-dp",
+    "embedding": "embedding",
+    "position_embedding": "position_embedding",
+}
+
+
+def expect(world: int, **config: Any) -> meshsim.Expected:
+    return meshsim.expect("megatron-deepspeed", world, **config)
+
+
+def loops(world: int, tp: int, pp: int, sp: int) -> dict[str, list[list[int]]]:
+    """The seed's group loops, restated: what each kind must hold, list for list."""
+    dp = world // (tp * pp * sp)
+    block = world // pp
+    stride = sp if sp > 1 else tp
+    data = [
+        list(range(s * block + j, (s + 1) * block, stride))
+        for s in range(pp)
+        for j in range(stride)
+    ]
+    seq_dp = (
+        [list(range(i * sp * dp, (i + 1) * sp * dp)) for i in range(world // (sp * dp))]
+        if sp > 1
+        else data
+    )
+    model_source = seq_dp if sp > 1 else data
+    width = sp * dp if sp > 1 else dp
+    return {
+        "dp": data,
+        "sp": [list(range(i * sp, (i + 1) * sp)) for i in range(world // sp)],
+        "seq_dp": seq_dp,
+        "mp": [[g[i] for g in model_source] for i in range(width)],
+        "tp": [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)],
+        "pp": [list(range(i, world, block)) for i in range(block)],
+        "amax": [list(range(i * tp * dp, (i + 1) * tp * dp)) for i in range(world // (tp * dp))],
+    }
+
+
+@st.composite
+def split_world(draw: st.DrawFn, max_world: int = 64) -> tuple[int, int, int, int]:
+    """(world, tp, pp, sp): either tp × pp with sp = 1, or Ulysses sp with tp = pp = 1."""
+    world = draw(st.integers(1, max_world))
+    if draw(st.booleans()):
+        return world, 1, 1, draw(st.sampled_from(divisors(world)))
+    tp = draw(st.sampled_from(divisors(world)))
+    return world, tp, draw(st.sampled_from(divisors(world // tp))), 1
+
+
+def test_docstring_example_16_gpus_tp2_pp4() -> None:
+    exp = expect(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
+    assert exp.groups("dp") == Groups(
+        [(0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 14), (13, 15)]
+    )
+    assert exp.groups("tp") == Groups(
+        [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13), (14, 15)]
+    )
+    assert exp.groups("pp") == Groups(
+        [(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15)]
+    )
+    assert exp.groups("embedding") == Groups([(0, 12), (1, 13), (2, 14), (3, 15)])
+    assert exp.groups("position_embedding") == Groups([(0,), (1,), (2,), (3,)])
+    assert exp.groups("seq_dp") == exp.groups("dp")
+    assert exp.groups("sp") == Groups([(i,) for i in range(16)])
+    assert "amax" not in exp.kinds()
+
+
+def test_ulysses_sequence_parallel() -> None:
+    exp = expect(8, sequence_parallel_size=4, use_fp8=True)
+    assert exp.groups("dp") == Groups([(0, 4), (1, 5), (2, 6), (3, 7)])
+    assert exp.groups("sp") == Groups([(0, 1, 2, 3), (4, 5, 6, 7)])
+    assert exp.groups("seq_dp") == Groups([tuple(range(8))])
+    assert exp.groups("mp") == Groups([(i,) for i in range(8)])
+    # amax takes contiguous blocks of tp × dp = 2, unlike the strided dp groups.
+    assert exp.groups("amax") == Groups([(0, 1), (2, 3), (4, 5), (6, 7)])
+
+
+def test_fp8_amax_groups() -> None:
+    exp = expect(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, use_fp8=True)
+    assert exp.groups("amax") == Groups([tuple(range(8)), tuple(range(8, 16))])
+
+
+def test_split_rank_embeddings() -> None:
+    exp = expect(16, pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=2)
+    assert exp.groups("embedding") == Groups([(0, 8, 12), (1, 9, 13), (2, 10, 14), (3, 11, 15)])
+    assert exp.groups("position_embedding") == Groups([(0, 8), (1, 9), (2, 10), (3, 11)])
+    # A split at the last stage is already in the embedding group; negatives index from the end.
+    last = expect(16, pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=-1)
+    assert last.groups("embedding") == Groups([(0, 12), (1, 13), (2, 14), (3, 15)])
+    assert last.groups("position_embedding") == Groups([(0, 12), (1, 13), (2, 14), (3, 15)])
+    first = expect(16, pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=0)
+    assert first.groups("position_embedding") == Groups([(0,), (1,), (2,), (3,)])
+    # With one stage both groups are the rank itself, whatever the split rank.
+    single = expect(4, pipeline_model_parallel_split_rank=7)
+    assert single.groups("embedding") == Groups([(0,), (1,), (2,), (3,)])
+    assert single.kind("embedding").partition
+
+
+def test_embedding_partition_flags() -> None:
+    assert expect(8, pipeline_model_parallel_size=2).kind("embedding").partition
+    assert not expect(8, pipeline_model_parallel_size=4).kind("embedding").partition
+    three = expect(6, pipeline_model_parallel_size=3, pipeline_model_parallel_split_rank=1)
+    assert three.kind("embedding").partition
+    assert three.groups("embedding").is_partition_of(6)
+
+
+def test_roles() -> None:
+    exp = expect(8, sequence_parallel_size=2)
+    assert dict(exp.roles) == {
+        "data_parallel": "dp",
+        "gradient_reduce": "seq_dp",
+        "tensor": "tp",
+        "context": "sp",
+        "pipeline": "pp",
+        "embedding": "embedding",
+        "loss": "seq_dp",
+    }
+    assert exp.groups("gradient_reduce") == Groups([tuple(range(8))])
+
+
+@pytest.mark.parametrize(
+    ("world", "config", "upstream", "message"),
+    [
+        (
+            8,
+            {"tensor_model_parallel_size": 3},
+            "RuntimeError",
+            r"world_size 8 is not divisible by tensor_model_parallel_size \(3\) × "
+            r"pipeline_model_parallel_size \(1\) = 3",
+        ),
+        (
+            8,
+            {"tensor_model_parallel_size": 2, "sequence_parallel_size": 2},
+            "AssertionError",
+            "works only with tensor and pipeline parallel size 1, got tp=2, pp=1",
+        ),
+        (
+            8,
+            {"pipeline_model_parallel_size": 2, "sequence_parallel_size": 2},
+            "AssertionError",
+            "got tp=1, pp=2",
+        ),
+        (
+            8,
+            {"sequence_parallel_size": 3},
+            "RuntimeError",
+            "world_size 8 is not divisible by sequence_parallel_size 3",
+        ),
+        (
+            8,
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            "RuntimeError",
+            "needs pipeline_model_parallel_size > 2 in Megatron-DeepSpeed, got 2",
+        ),
+        (
+            8,
+            {"pipeline_model_parallel_size": 4, "pipeline_model_parallel_split_rank": 4},
+            "IndexError",
+            r"not a stage of a 4-stage pipeline \(valid: 0..3\)",
+        ),
+        (
+            8,
+            {"pipeline_model_parallel_size": 4, "pipeline_model_parallel_split_rank": -5},
+            "IndexError",
+            "split_rank=-5",
+        ),
+    ],
+)
+def test_errors(world: int, config: dict[str, Any], upstream: str, message: str) -> None:
+    with pytest.raises(LayoutError, match=message) as info:
+        expect(world, **config)
+    assert info.value.upstream == upstream
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"context_parallel_size": 2}, "takes no config key"),
+        ({"tensor_model_parallel_size": 0}, "integer >= 1, got 0"),
+        ({"sequence_parallel_size": "2"}, "integer >= 1"),
+        ({"pipeline_model_parallel_split_rank": 1.0}, "must be an integer"),
+    ],
+)
+def test_meshsim_config_errors(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        expect(8, **config)
+
+
+def test_virtual_pipeline_needs_more_than_two_stages() -> None:
+    exp = expect(8, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    assert exp.config["virtual_pipeline_model_parallel_size"] == 2
+    # Megatron-LM accepts pp = 2 for the same config.
+    meshsim.expect(
+        "megatron", 8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
+
+
+@given(split_world())
+def test_groups_equal_the_seed_loops(case: tuple[int, int, int, int]) -> None:
+    world, tp, pp, sp = case
+    exp = expect(
+        world,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel_size=sp,
+        use_fp8=True,
+    )
+    for kind, groups in loops(world, tp, pp, sp).items():
+        assert exp.groups(kind) == Groups(groups), kind
+        assert exp.groups(kind).is_partition_of(world), kind
+
+
+def test_equals_megatron_tp_dp_pp_for_every_world_up_to_64() -> None:
+    checked = 0
+    for world in range(1, 65):
+        for tp, pp, _dp in ordered_factorizations(world, 3):
+            ours = expect(
+                world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_fp8=True
+            )
+            megatron = meshsim.expect(
+                "megatron",
+                world,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                order="tp-dp-pp",
+            )
+            for kind, theirs in SHARED.items():
+                assert ours.groups(kind) == megatron.groups(theirs), (world, tp, pp, kind)
+            assert ours.groups("seq_dp") == megatron.groups("dp-cp")
+            checked += 1
+    assert checked > 500
+
+
+def test_configs() -> None:
+    cases = list(megatron_deepspeed.configs(8))
+    assert len(cases) == 10 + 3  # tp × pp × dp factorizations, then sp in 2, 4, 8
+    for case in cases:
+        assert "amax" in expect(8, **case).kinds()
+    assert all(not c["use_fp8"] for c in megatron_deepspeed.configs(8, use_fp8=False))
+    ids = [case.id for case in meshsim.layouts(4, "megatron-deepspeed")]
+    assert "megatron-deepspeed-4-sp=4-use_fp8=True" in ids
