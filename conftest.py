@@ -1,1 +1,3 @@
-"""Root conftest: makes the repository importable as ``tests.*`` and registers the plugin in-tree."""
+"""Root conftest: pytester for the plugin's own tests (meshsim loads via its entry point)."""
+
+pytest_plugins = ["pytester"]

@@ -1,6 +1,26 @@
 """meshsim: prove parallel-training rank layouts right, on a laptop and in CI."""
 
-from meshsim.errors import LayoutError, MeshsimError, UsageError
+from meshsim.checks import (
+    MeshDiff,
+    Observation,
+    ObservedLayout,
+    assert_layout,
+    diff,
+    observe,
+    observe_groups,
+)
+from meshsim.errors import (
+    CollectiveDivergence,
+    LayoutError,
+    LayoutMismatch,
+    MeshsimError,
+    NotEnoughGPUs,
+    RankFailure,
+    RankTimeout,
+    TeardownWarning,
+    UsageError,
+)
+from meshsim.harness import RankContext, RankOutcome, context, run, shutdown
 from meshsim.model import (
     CONVENTIONS,
     ROLES,
@@ -18,14 +38,32 @@ __version__ = "0.1.0"
 __all__ = [
     "CONVENTIONS",
     "ROLES",
+    "CollectiveDivergence",
     "Expected",
     "Groups",
     "Kind",
     "Layout",
     "LayoutCase",
     "LayoutError",
+    "LayoutMismatch",
+    "MeshDiff",
     "MeshsimError",
+    "NotEnoughGPUs",
+    "Observation",
+    "ObservedLayout",
+    "RankContext",
+    "RankFailure",
+    "RankOutcome",
+    "RankTimeout",
+    "TeardownWarning",
     "UsageError",
+    "assert_layout",
+    "context",
+    "diff",
     "expect",
     "layouts",
+    "observe",
+    "observe_groups",
+    "run",
+    "shutdown",
 ]

@@ -29,12 +29,15 @@ class Mismatch:
 
     def __str__(self) -> str:
         who = format_ranks(self.ranks)
+        one = len(self.ranks) == 1
         if self.aspect == "members":
-            exp = "no group" if self.expected is None else _fmt(self.expected)
-            obs = "no group" if self.observed is None else _fmt(self.observed)
-            return f"{self.kind}: {who} hold {obs}; expected {exp}"
+            holds = "holds" if one else "hold"
+            return (
+                f"{self.kind}: {who} {holds} {_fmt(self.observed)}; expected {_fmt(self.expected)}"
+            )
         if self.aspect == "missing":
-            return f"{self.kind}: {who} have no group of this name; expected {_fmt(self.expected)}"
+            has = "has" if one else "have"
+            return f"{self.kind}: {who} {has} no group of this name; expected {_fmt(self.expected)}"
         return f"{self.kind}: {who}: {self.detail}"
 
 
