@@ -1,0 +1,111 @@
+"""DeepSpeed builder: ``PipelineParallelGrid`` over a ``ProcessTopology``, plus MoE groups.
+
+A ``ProcessTopology(axes, dims)`` (last axis fastest) is ``init_device_mesh(dims, axes)``: each
+axis's communicator lists are that dim's groups, DeepSpeed's model-parallel group is the
+``_flatten`` of every non-data axis, tied-embedding groups are ``new_group`` s over the first and
+last stage of torch's pipe groups, and the MoE expert / expert-data groups are the two halves of
+an ``_unflatten`` of the dense data-parallel dim (E + D: experts inner; D + E: experts outer).
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshsim.builders._common import (
+    Entry,
+    FrameworkRejection,
+    all_groups,
+    collect,
+    degree,
+    flatten,
+    mesh,
+    new_groups,
+    require,
+)
+from meshsim.checks import Observation
+
+
+def topology(world_size: int, config: Mapping[str, Any]) -> tuple[list[str], list[int]]:
+    """The (axes, dims) of the topology a config names (raw, pipe/model/data, or the default)."""
+    if config.get("axes") is not None or config.get("dims") is not None:
+        if any(config.get(k) is not None for k in ("num_pp", "num_mp", "num_dp")):
+            raise FrameworkRejection("give either axes/dims or num_pp/num_mp/num_dp", upstream=None)
+        axes, dims = list(config.get("axes") or ()), [int(d) for d in config.get("dims") or ()]
+        if len(axes) > len(dims):
+            raise FrameworkRejection("list index out of range", upstream="IndexError")
+        if len(axes) < len(dims):
+            raise FrameworkRejection(f"{len(dims)} dims for axes {axes}", upstream=None)
+        valid = all(
+            isinstance(a, str) and a.isidentifier() and not keyword.iskeyword(a) and a[0] != "_"
+            for a in axes
+        )
+        if not valid or len(set(axes)) != len(axes):
+            raise FrameworkRejection(f"Invalid ProcessCoord fields {axes}", upstream="ValueError")
+        return axes, dims
+    if all(config.get(k) is None for k in ("num_pp", "num_mp", "num_dp")):
+        return ["pipe", "data"], list(_default_pipe_data(world_size))
+    num_pp = degree(config, "num_pp")
+    num_mp = degree(config, "num_mp")
+    num_dp = degree(config, "num_dp", max(world_size // (num_pp * num_mp), 1))
+    if config.get("num_mp") is None:
+        return ["pipe", "data"], [num_pp, num_dp]
+    return ["pipe", "data", "model"], [num_pp, num_dp, num_mp]
+
+
+def _default_pipe_data(world_size: int) -> tuple[int, int]:
+    """The grid's default: the world's prime factors, ascending, dealt to pipe and data in turn."""
+    sizes = [1, 1]
+    n, p, index = world_size, 2, 0
+    while n > 1:
+        while n % p == 0:
+            sizes[index % 2] *= p
+            index += 1
+            n //= p
+        p += 1
+    return sizes[0], sizes[1]
+
+
+def build(world_size: int, config: Mapping[str, Any]) -> Observation:
+    axes, dims = topology(world_size, config)
+    grid = {"pipe", "data"} <= set(axes)
+    if math.prod(dims) != world_size:
+        raise FrameworkRejection(
+            "Invalid Grid"
+            if grid
+            else f"topology covers {math.prod(dims)} ranks, not {world_size}",
+            upstream="AssertionError" if grid else None,
+        )
+    root = mesh(dims, axes)
+    entries: dict[str, Entry] = {axis: root[axis] for axis in axes}
+    if grid:
+        if "model" not in axes:  # the grid's slice groups: every rank alone
+            entries["model"] = new_groups([[r] for r in range(world_size)])
+        replica = [a for a in axes if a != "data"]
+        entries["model_parallel"] = flatten(root, replica, "model_parallel")
+        pp = dims[axes.index("pipe")]
+        if pp > 1:
+            entries["embedding"] = new_groups([[g[0], g[-1]] for g in all_groups(root, ["pipe"])])
+    if config.get("ep") is not None:
+        tp = dims[axes.index("model")] if "model" in axes else 1
+        pp = dims[axes.index("pipe")] if "pipe" in axes else 1
+        before = bool(config.get("use_data_before_expert_parallel_", False))
+        entries.update(_expert_groups(world_size, tp, degree(config, "ep"), pp, before))
+    return collect(entries)
+
+
+def _expert_groups(world_size: int, tp: int, ep: int, pp: int, before: bool) -> dict[str, Entry]:
+    """``_get_expert_parallel_ranks``: DP groups stride by tp inside a stage; EP takes chunks."""
+    require(world_size % (tp * pp) == 0, f"world {world_size} not divisible by tp*pp {tp * pp}")
+    dp = world_size // (tp * pp)
+    require(dp % ep == 0, f"data parallel size {dp} not divisible by expert parallel size {ep}")
+    dense = mesh((pp, dp, tp), ("moe_pipe", "moe_data", "moe_model"))
+    order: Sequence[tuple[str, int]] = (
+        (("expert", ep), ("expert_data", dp // ep))
+        if before
+        else (("expert_data", dp // ep), ("expert", ep))
+    )
+    split = dense._unflatten("moe_data", tuple(s for _, s in order), tuple(n for n, _ in order))
+    return {"expert": split["expert"], "expert_data": split["expert_data"]}

@@ -1,0 +1,189 @@
+"""Megatron-LM builder: ``initialize_model_parallel``'s groups, derived with torch's layout algebra.
+
+Megatron enumerates groups with ``RankGenerator`` arithmetic. Here nothing is enumerated by
+hand: each generator becomes a DeviceMesh laid out from the order string (order ``a-b-c`` is
+``init_device_mesh((c, b, a))``, the equivalence under test), each token group is the slice of
+its axes ``_flatten``-ed by torch, the partial-optimizer / hierarchical-CP / hybrid groups are
+``_unflatten`` s of live groups, and embedding groups are ``new_group`` s over the first/last
+stage of the pipeline groups torch's decoder mesh holds. The expert groups come from a second
+DeviceMesh built for the expert generator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshsim.builders._common import (
+    Entry,
+    FrameworkRejection,
+    all_groups,
+    collect,
+    degree,
+    flatten,
+    mesh,
+    new_groups,
+    require,
+)
+from meshsim.checks import Observation
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+_TOKENS = ("tp", "pp", "dp", "ep", "cp")
+_DENSE = ("dp-cp", "dp", "cp", "tp-pp", "tp", "pp", "tp-dp-cp", "tp-dp", "tp-cp")
+_EXPERT = ("ep", "tp", "tp-ep", "tp-ep-pp", "dp")
+
+
+def generator_mesh(order: str, sizes: Mapping[str, int], prefix: str = "") -> DeviceMesh:
+    """A RankGenerator as a DeviceMesh: the order string reversed (slowest first) is the shape.
+
+    Axes missing from the order are appended as slowest when of size 1, and rejected otherwise,
+    as Megatron does. Dim names take ``prefix`` so two generators never share a name.
+    """
+    tokens = order.lower().split("-")
+    for token in tokens:
+        if token not in sizes:
+            raise FrameworkRejection(
+                f"unknown token {token!r} in order {order!r}", upstream="KeyError"
+            )
+    for name in _TOKENS:
+        if name not in tokens:
+            require(
+                sizes[name] == 1,
+                f"The size of ({name}) is ({sizes[name]}), but you haven't specified the order "
+                f"({order}).",
+                "RuntimeError",
+            )
+            tokens.append(name)
+    slowest_first = tokens[::-1]
+    return mesh([sizes[t] for t in slowest_first], [prefix + t for t in slowest_first])
+
+
+def build(world_size: int, config: Mapping[str, Any]) -> Observation:
+    """Every group ``initialize_model_parallel(**config)`` makes, in Megatron's creation order."""
+    (dp, cp, edp, instances), decoder, expert = _validate(world_size, config)
+    hcp = tuple(config.get("hierarchical_context_parallel_sizes") or ())
+    entries: dict[str, Entry] = {}
+    groups = {token: _token_mesh(decoder, token) for token in _DENSE}
+    entries["dp-cp"] = groups["dp-cp"]
+    if instances > 1:
+        entries["intra_dp_cp"] = _chunks(groups["dp-cp"], dp * cp // instances, "intra_dp_cp")
+    if config.get("hybrid_context_parallel"):
+        width = dp * cp
+        for size in (2**i for i in range(1, int(math.log2(width)))):
+            if width % size == 0:
+                entries[f"hybrid_dp_cp:{size}"] = _chunks(groups["dp-cp"], size, f"hybrid{size}")
+    entries["dp"], entries["cp"] = groups["dp"], groups["cp"]
+    if hcp:
+        levels = [f"hcp{i}" for i in range(len(hcp))]
+        split = groups["cp"]._unflatten(0, hcp[::-1], levels[::-1])
+        for i, name in enumerate(levels):
+            entries[f"hierarchical_cp:{i}"] = split[name]
+    for token in ("tp-pp", "tp", "pp"):
+        entries[token] = groups[token]
+    entries.update(_embedding_groups(decoder, groups["pp"], config))
+    for token in ("tp-dp-cp", "tp-dp", "tp-cp"):
+        entries[token] = groups[token]
+    for token in _EXPERT:
+        entries[f"expert:{token}"] = _token_mesh(expert, token, "expert:")
+    if instances > 1:
+        entries.update(_partial_expert_groups(expert, edp, instances))
+    return collect(entries)
+
+
+def _validate(
+    world_size: int, config: Mapping[str, Any]
+) -> tuple[tuple[int, int, int, int], DeviceMesh, DeviceMesh]:
+    """Megatron's checks in its order; (dp, cp, edp, instances) and the two generator meshes."""
+    order = config.get("order") or DEFAULT_ORDER
+    tp = degree(config, "tensor_model_parallel_size")
+    pp = degree(config, "pipeline_model_parallel_size")
+    cp = degree(config, "context_parallel_size")
+    ep = degree(config, "expert_model_parallel_size")
+    etp = degree(config, "expert_tensor_parallel_size", tp)
+    instances = degree(config, "num_distributed_optimizer_instances")
+    vpp = config.get("virtual_pipeline_model_parallel_size")
+    hcp = tuple(config.get("hierarchical_context_parallel_sizes") or ())
+
+    require(
+        world_size % (tp * pp * cp) == 0,
+        f"world_size ({world_size}) is not divisible by {tp * pp * cp}",
+        "RuntimeError",
+    )
+    dp = world_size // (tp * pp * cp)
+    require(
+        vpp is None or pp > 1,
+        "pipeline-model-parallel size should be greater than 1 with interleaved schedule",
+        "RuntimeError",
+    )
+    decoder = generator_mesh(order, {"tp": tp, "pp": pp, "dp": dp, "ep": 1, "cp": cp})
+    require(
+        world_size % (etp * ep * pp) == 0,
+        f"world_size ({world_size}) is not divisible by expert_tensor_model_pipeline_parallel "
+        f"size ({etp * ep * pp})",
+        "RuntimeError",
+    )
+    edp = world_size // (etp * ep * pp)
+    expert = generator_mesh(order, {"tp": etp, "pp": pp, "dp": edp, "ep": ep, "cp": 1}, "expert:")
+    require(
+        order.endswith("pp") or pp == 1 or edp == dp,
+        "When not using pp-last rank ordering, the data parallel size of the attention and moe "
+        "layers must be the same",
+    )
+    require(
+        sorted(all_groups(decoder, ["pp"])) == sorted(all_groups(expert, ["expert:pp"])),
+        "Pipeline parallel groups are expected to be the same for Non-Expert and Expert part",
+    )
+    require((dp * cp) % instances == 0, "dp*cp must be divisible by the optimizer instances")
+    require(
+        not config.get("hybrid_context_parallel") or (dp * cp) % 2 == 0,
+        "hybrid context parallel needs an even dp*cp",
+    )
+    require(not hcp or math.prod(hcp) == cp, "hierarchical CP sizes must multiply to CP")
+    require(edp % instances == 0, "expert dp must be divisible by the optimizer instances")
+    return (dp, cp, edp, instances), decoder, expert
+
+
+def _token_mesh(root: DeviceMesh, token: str, prefix: str = "") -> DeviceMesh:
+    """The group spanning the token's axes: the axes' slice of ``root``, flattened by torch."""
+    return flatten(root, [prefix + t for t in token.split("-")], prefix + token)
+
+
+def _chunks(group: DeviceMesh, size: int, name: str) -> DeviceMesh:
+    """Consecutive chunks of ``size`` members of a live 1-D group (``_unflatten``, inner dim)."""
+    return group._unflatten(0, (group.size() // size, size), (f"{name}_outer", name))[name]
+
+
+def _embedding_groups(
+    decoder: DeviceMesh, pp_mesh: DeviceMesh, config: Mapping[str, Any]
+) -> dict[str, Entry]:
+    """Embedding and position-embedding groups, one per pipeline, via ``new_group``."""
+    pipelines = all_groups(decoder, ["pp"])
+    mine = [int(r) for r in dist.get_process_group_ranks(pp_mesh.get_group())]
+    if mine not in pipelines:
+        raise RuntimeError(f"live pp group {mine} is not among the mesh's pp groups")
+
+    def default_embedding(ranks: list[int]) -> list[int]:
+        return [ranks[0], ranks[-1]] if len(ranks) > 1 else [ranks[0]]
+
+    embedding = config.get("get_embedding_ranks") or default_embedding
+    position = config.get("get_position_embedding_ranks") or (lambda ranks: [ranks[0]])
+    return {
+        "embedding": new_groups([list(embedding(list(p))) for p in pipelines]),
+        "position_embedding": new_groups([list(position(list(p))) for p in pipelines]),
+    }
+
+
+def _partial_expert_groups(expert: DeviceMesh, edp: int, instances: int) -> dict[str, Entry]:
+    """Expert DP split hierarchically as [edp / k, k], and one optimizer instance's ranks."""
+    split = expert._unflatten("expert:dp", (instances, edp // instances), ("inter", "intra"))
+    names = tuple(split.mesh_dim_names or ())
+    rest = tuple(n for n in names if n != "inter")
+    return {
+        "expert:intra_dp": split["intra"],
+        "expert:inter_dp": split["inter"],
+        "intra_dist_opt_instance": split[rest]._flatten("intra_dist_opt_instance"),
+    }

@@ -1,0 +1,245 @@
+"""OLMo-core builder: ``build_world_mesh`` and every ``get_*_mesh`` getter, on live torch meshes.
+
+The world mesh is ``init_device_mesh`` over OLMo's dim order (pp, dp | dp_replicate+dp_shard,
+cp, tp); the getters then slice and ``_flatten`` the *live* root mesh in exactly OLMo's sequence
+(``_flatten_dims`` registering ``dp_ep`` / ``dp`` / ``dp_cp`` on the root, then slicing the root
+by the new names), so torch, not meshsim, decides which ranks each getter returns. A getter that
+raises in OLMo raises here too and is recorded as absent, so the diff can tell whether the
+reference agrees that it raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh
+from meshsim.checks import Observation
+
+Names = tuple[str, ...]
+
+
+def _config_error(message: str) -> FrameworkRejection:
+    return FrameworkRejection(message, upstream="OLMoConfigurationError")
+
+
+def build(world_size: int, config: Mapping[str, Any]) -> Observation:
+    """World mesh (and the expert mesh when ``expert_mesh_ep`` is set), observed by kind."""
+    world = build_world_mesh(world_size, config)
+    entries = _mesh_entries(world, prefix="")
+    if config.get("expert_mesh_ep") is not None:
+        expert = build_expert_parallel_mesh(world_size, config["expert_mesh_ep"])
+        entries.update(_mesh_entries(expert, prefix="expert:"))
+    return collect(entries)
+
+
+def build_world_mesh(world_size: int, config: Mapping[str, Any]) -> DeviceMesh:
+    """OLMo's ``build_world_mesh``: validate in OLMo's order, build, create the DP group."""
+    dp = config.get("dp")
+    dp = None if dp is None else str(getattr(dp, "value", dp))
+    pp, cp, tp, ep = (config.get(k) for k in ("pp", "cp", "tp", "ep"))
+    if dp is None and pp is None and cp is None and tp is None and ep is None:
+        return mesh((world_size,), ("dp",))
+    if dp is None:
+        raise _config_error(
+            "Data parallel config is required in addition to expert/tensor/context/pipeline "
+            "parallel configs"
+        )
+    dp_world = world_size
+    for cls, degree in (("Pipeline", pp), ("Context", cp), ("Tensor", tp)):
+        if degree is not None:
+            if degree < 1 or dp_world % degree != 0:
+                raise _config_error(
+                    f"{cls}ParallelConfig.degree must be at least 1 and divide into the world size"
+                )
+            dp_world //= degree
+    if ep is not None:
+        if ep == 0 or dp_world % ep != 0:
+            raise _config_error(
+                "ExpertParallelConfig.degree must be at least 1 and divide into the world size"
+            )
+        if tp is not None:
+            raise _config_error("expert parallelism is mutually exclusive with tensor parallism")
+        if dp != "hsdp":
+            raise _config_error(
+                "expert parallelism can currently only be used with HSDP data parallelism"
+            )
+    names: list[str] = []
+    dims: list[int] = []
+    if pp is not None:
+        names.append("pp")
+        dims.append(pp)
+    if dp == "hsdp":
+        replicas, shard = _replicate_and_shard(dp_world, config)
+        names += ["dp_replicate", "dp_shard"]
+        dims += [replicas, shard]
+        if ep is not None and ep >= 0 and ep != shard:
+            raise _config_error("expert parallelism + HSDP requires the same sharding degree")
+    else:
+        names.append("dp")
+        dims.append(dp_world)
+    for name, degree in (("cp", cp), ("tp", tp)):
+        if degree is not None:
+            names.append(name)
+            dims.append(degree)
+    world = mesh(dims, names)
+    get_dp_process_group(world)  # OLMo creates the DP group eagerly
+    return world
+
+
+def _replicate_and_shard(dp_world: int, config: Mapping[str, Any]) -> tuple[int, int]:
+    """``DataParallelConfig.get_replicate_and_shard_degree`` (num_nodes stands in for the env)."""
+    replicas, shard = config.get("num_replicas"), config.get("shard_degree")
+    for key, value in (("num_replicas", replicas), ("shard_degree", shard)):
+        if value is not None and dp_world % value != 0:
+            raise _config_error(
+                f"data parallel world size ({dp_world}) must be divisible by '{key}' ({value})"
+            )
+    if replicas is None and shard is None:
+        replicas = config.get("num_nodes") or 1
+        shard = dp_world // replicas
+    elif shard is None:
+        shard = dp_world // replicas
+    elif replicas is None:
+        replicas = dp_world // shard
+    if replicas * shard != dp_world:
+        # OLMo passes this to init_device_mesh, which refuses a mesh bigger than the world and
+        # leaves ranks out of a smaller one; meshsim refuses both.
+        raise FrameworkRejection(
+            f"HSDP split {replicas} x {shard} does not tile the DP world {dp_world}",
+            upstream="RuntimeError" if replicas * shard > dp_world or shard == 0 else None,
+        )
+    return replicas, shard
+
+
+def build_expert_parallel_mesh(world_size: int, degree: int) -> DeviceMesh:
+    ep = world_size if degree < 0 else degree
+    if ep == 0:
+        raise FrameworkRejection("integer division or modulo by zero", upstream="ZeroDivisionError")
+    if world_size % ep != 0:
+        raise _config_error(
+            f"Expert parallelism requires world size ({world_size}) to be divisible by "
+            f"'degree' ({ep})"
+        )
+    return mesh((world_size // ep, ep), ("ep_replicate", "ep_shard"))
+
+
+# -- OLMo's getters, on the live mesh ------------------------------------------------------------
+def _flatten_dims(
+    root: DeviceMesh, *dims: str, name: str, names: Names
+) -> tuple[DeviceMesh, Names]:
+    """OLMo's ``_flatten_dims``: flatten on the root, rename, check the root knows the names."""
+    out: list[str] = []
+    for n in names:
+        if n not in dims:
+            out.append(n)
+        elif name not in out:
+            out.append(name)
+    root[dims]._flatten(name)
+    new_names = tuple(out)
+    try:
+        root[new_names]
+    except KeyError as exc:
+        raise RuntimeError(
+            f"Flattening failed: root device mesh does not recognize {new_names}"
+        ) from exc
+    return root, new_names
+
+
+def _fold_ep(root: DeviceMesh, names: Names) -> tuple[DeviceMesh, Names]:
+    if "dp" in names and "ep" in names:
+        return _flatten_dims(root, "dp", "ep", name="dp_ep", names=names)
+    if "ep_replicate" in names and "ep_shard" in names:
+        return _flatten_dims(root, "ep_replicate", "ep_shard", name="dp", names=names)
+    return root, names
+
+
+def _get_model_mesh(root: DeviceMesh) -> tuple[DeviceMesh, Names]:
+    root, names = _fold_ep(root, tuple(root.mesh_dim_names or ()))
+    if "cp" in names:
+        last_dp = names[names.index("cp") - 1]
+        if not last_dp.startswith("dp"):
+            raise AssertionError(f"cp follows {last_dp!r}, not a dp dim")
+        root, names = _flatten_dims(root, last_dp, "cp", name="dp_cp", names=names)
+    return root, names
+
+
+def _dp_names(names: Names) -> Names:
+    return tuple(n for n in names if n.startswith("dp"))
+
+
+def get_dp_model_mesh(root: DeviceMesh) -> DeviceMesh:
+    root, names = _get_model_mesh(root)
+    return root[_dp_names(names)]
+
+
+def get_dp_mesh(root: DeviceMesh) -> DeviceMesh:
+    root, names = _fold_ep(root, tuple(root.mesh_dim_names or ()))
+    if "dp_cp" in names:
+        raise RuntimeError("'get_dp_mesh' should be called on the original world mesh")
+    return root[_dp_names(names)]
+
+
+def get_dp_process_group(root: DeviceMesh) -> Any:
+    dp_mesh = get_dp_mesh(root)
+    if dp_mesh.ndim > 1:
+        return dp_mesh._flatten("dp").get_group()
+    return dp_mesh.get_group()
+
+
+def _model_dim(dim: str, what: str) -> Callable[[DeviceMesh], DeviceMesh]:
+    def getter(root: DeviceMesh) -> DeviceMesh:
+        root, names = _get_model_mesh(root)
+        if dim not in names:
+            raise RuntimeError(
+                f"could not determine {what} sub-mesh from mesh with dimensions {names}"
+            )
+        return root[dim]
+
+    return getter
+
+
+def _root_dim(dims: Names, what: str) -> Callable[[DeviceMesh], DeviceMesh]:
+    def getter(root: DeviceMesh) -> DeviceMesh:
+        names = tuple(root.mesh_dim_names or ())
+        for dim in dims:
+            if dim in names:
+                return root[dim]
+        raise RuntimeError(f"could not determine {what} sub-mesh from mesh with dimensions {names}")
+
+    return getter
+
+
+def get_pp_stage_mesh(root: DeviceMesh) -> DeviceMesh:
+    pp_mesh = _root_dim(("pp",), "pipeline parallel")(root)
+    pp_names = set(pp_mesh.mesh_dim_names or ())
+    return root[tuple(n for n in root.mesh_dim_names or () if n not in pp_names)]
+
+
+GETTERS: dict[str, Callable[[DeviceMesh], Any]] = {
+    "get_dp_mesh": get_dp_mesh,
+    "get_dp_process_group": get_dp_process_group,
+    "get_dp_model_mesh": get_dp_model_mesh,
+    "get_tp_mesh": _model_dim("tp", "tensor parallel"),
+    "get_cp_mesh": _root_dim(("cp",), "context parallel"),
+    "get_pp_mesh": _root_dim(("pp",), "pipeline parallel"),
+    "get_pp_stage_mesh": get_pp_stage_mesh,
+    "get_ep_mesh": _root_dim(("ep", "ep_shard", "dp_shard"), "expert parallel"),
+    "get_dp_shard_mesh": _model_dim("dp_shard", "data parallel shard"),
+    "get_dp_replicate_mesh": _model_dim("dp_replicate", "data parallel replicate"),
+}
+
+
+def _mesh_entries(root: DeviceMesh, prefix: str) -> dict[str, Entry]:
+    """Root dims, then every getter's result (or its error), then what the getters flattened."""
+    entries: dict[str, Entry] = {dim: root[dim] for dim in root.mesh_dim_names or ()}
+    for name, getter in GETTERS.items():
+        try:
+            entries[prefix + name] = getter(root)
+        except (RuntimeError, KeyError, ValueError) as error:
+            entries[prefix + name] = error
+    for alias, flat in root._flatten_mapping.items():
+        entries[prefix + alias] = flat
+    return entries

@@ -1,0 +1,72 @@
+"""torch DeviceMesh builder: ``init_device_mesh`` plus the config's flatten / unflatten ops."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh
+from meshsim.checks import Observation
+from meshsim.model.conventions.torch_mesh import _parse_op
+
+
+def build(world_size: int, config: Mapping[str, Any]) -> Observation:
+    """Build the root mesh, apply each op with torch, observe every dim and flattened name.
+
+    Ops act on the first view (the root, then each unflattened mesh) that knows every dim they
+    name, knowing being decided by torch (``mesh_dim_names`` plus the names flattened on the
+    view's root), not by the reference. Torch's own errors (KeyError for a bad slice,
+    ValueError for a reused flatten name, ...) propagate unchanged.
+    """
+    views = [_root(world_size, config)]
+    for op in config.get("ops", ()):
+        verb, args = _parse_op(op)
+        wanted = args[0] if verb == "flatten" else (args[0],)
+        for view in views:
+            if set(wanted) <= _known(view):
+                if verb == "flatten":
+                    dims, name = args
+                    view[tuple(dims)]._flatten(name)
+                else:
+                    views.append(view._unflatten(*args))
+                break
+        else:
+            raise FrameworkRejection(
+                f"{verb} names dims {wanted} that no mesh view holds together", upstream=None
+            )
+    entries: dict[str, Entry] = {}
+    for view in views:
+        for dim in view.mesh_dim_names or ():
+            entries.setdefault(dim, view[dim])
+        for name, flat in view._get_root_mesh()._flatten_mapping.items():
+            entries.setdefault(name, flat)
+    return collect(entries)
+
+
+def _known(view: DeviceMesh) -> set[str]:
+    return set(view.mesh_dim_names or ()) | set(view._get_root_mesh()._flatten_mapping)
+
+
+def _root(world_size: int, config: Mapping[str, Any]) -> DeviceMesh:
+    if "mesh" in config:
+        tensor = torch.tensor(config["mesh"], dtype=torch.int)
+        names = config.get("mesh_dim_names")
+        if names is None:
+            names = ("world",) if tensor.ndim == 1 else tuple(f"dim{i}" for i in range(tensor.ndim))
+        device = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
+        return DeviceMesh(device, tensor, mesh_dim_names=tuple(names))
+    shape = tuple(config.get("mesh_shape", (world_size,)))
+    names = config.get("mesh_dim_names")
+    if names is None:
+        names = ("world",) if len(shape) == 1 else tuple(f"dim{i}" for i in range(len(shape)))
+    if len(shape) == len(names) and math.prod(shape) < world_size:
+        # torch builds it and leaves the other ranks out; meshsim models whole worlds only.
+        raise FrameworkRejection(
+            f"mesh_shape {shape} covers {math.prod(shape)} of {world_size} ranks", upstream=None
+        )
+    return mesh(shape, tuple(names))

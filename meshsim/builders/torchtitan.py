@@ -1,0 +1,216 @@
+"""torchtitan builder: ``ParallelDims.build_mesh`` of each version, replayed on live torch meshes.
+
+* current / intermediate: a 1-D ``world`` mesh ``_unflatten``-ed into the dataloading, dense,
+  sparse (and spmd_types fwd/bwd) views, ``loss`` = ``dataloading["batch", "cp"]._flatten``;
+  single axes are sliced from those live views as ``get_mesh`` does;
+* legacy: one root mesh over the dims of degree > 1 (dp_shard split for EP), then ``_flatten``
+  of dp / dp_shard_cp / dp_cp / ep on it;
+* hyper_parallel: the seed's root mesh and its ``fsdp`` / ``dp`` / ``loss`` flatten aliases.
+
+Axes ``get_mesh`` refuses (fake-backed in torchtitan) are recorded as absent, never observed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, require
+from meshsim.checks import Observation
+
+_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
+#: Every name legacy torchtitan code slices from its root mesh (absent ones raise KeyError).
+_LEGACY_NAMES = (
+    "pp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp",
+    "dp", "dp_shard_cp", "dp_cp", "ep",
+)  # fmt: skip
+
+
+def build(world_size: int, config: Mapping[str, Any]) -> Observation:
+    version = config.get("version", "current")
+    raw = {k: config.get(k, -1 if k == "dp_shard" else 1) for k in _KEYS}
+    if version == "hyper_parallel":
+        return collect(_hyper_parallel(world_size, raw))
+    d = _validate(world_size, raw, with_etp=version != "current")
+    if version == "legacy":
+        return collect(_legacy(d))
+    if version == "current":
+        backend = config.get("spmd_backend") or "spmd_types"
+        region = d["dp_shard"] * d["cp"] * d["tp"]
+        require(
+            region % d["ep"] == 0,
+            f"expert_parallel_degree ({d['ep']}) must divide dp_shard * cp * tp ({region})",
+            "ValueError",
+        )
+        expert = {"ep": d["ep"]}
+    elif version == "intermediate":
+        backend = config.get("spmd_backend") or "partial_dtensor"
+        require(
+            d["ep"] == 1 or d["etp"] in (1, d["tp"]), "Currently we only support ETP=TP or ETP=1"
+        )
+        expert = {"ep": d["ep"], "etp": d["etp"]}
+    else:
+        raise FrameworkRejection(f"unknown torchtitan version {version!r}", upstream=None)
+    return collect(_views(world_size, d, backend, expert))
+
+
+def _validate(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> dict[str, int]:
+    """``ParallelDims._validate``: degrees >= 1, dp_shard -1 resolved, product == world."""
+    for name in ("dp_replicate", "cp", "tp", "pp", "ep") + (("etp",) if with_etp else ()):
+        require(raw[name] >= 1, f"Parallelism degree should be >= 1, except for dp_shard ({name})")
+    d = dict(raw)
+    require(d["dp_shard"] == -1 or d["dp_shard"] >= 1, "dp_shard must -1 or >=1.")
+    if d["dp_shard"] < 0:
+        d["dp_shard"] = world_size // (d["dp_replicate"] * d["cp"] * d["tp"] * d["pp"])
+        require(d["dp_shard"] >= 1, "dp_shard=-1 resolves to 0")
+    product = math.prod(d[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+    require(product == world_size, f"Invalid parallel dims: product {product} != {world_size}")
+    return d
+
+
+def _views(
+    world_size: int, d: Mapping[str, int], backend: str, expert: Mapping[str, int]
+) -> dict[str, Entry]:
+    """The current/intermediate ``build_mesh``: unflatten one world mesh into every view."""
+    world = mesh((world_size,), ("world",))
+
+    def unflatten(dims: Mapping[str, int]) -> DeviceMesh:
+        return world._unflatten(0, tuple(dims.values()), tuple(dims))
+
+    pp, dpr, dps, cp, tp, ep = (d[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
+    batch, fsdp = dpr * dps, dps * cp
+    dataloading = unflatten({"pp": pp, "batch": batch, "cp": cp, "tp": tp})
+    loss = dataloading["batch", "cp"]._flatten("loss_mesh")
+    if backend == "partial_dtensor":
+        dense = unflatten({"pp": pp, "dp_replicate": dpr, "fsdp": fsdp, "tp": tp})
+    else:
+        dense = unflatten({"pp": pp, "dp_replicate": dpr, "dp_shard": dps, "cp": cp, "tp": tp})
+    efsdp = fsdp * tp // math.prod(expert.values())
+    sparse = unflatten({"pp": pp, "dp_replicate": dpr, "efsdp": efsdp, **expert})
+    single: dict[str, DeviceMesh] = {
+        "pp": dataloading["pp"],
+        "batch": dataloading["batch"],
+        "loss": loss,
+        "dp_replicate": dense["dp_replicate"],
+        "cp": dataloading["cp"],
+        "tp": dataloading["tp"],
+        "ep": sparse["ep"],
+        "efsdp": sparse["efsdp"],
+    }
+    if "etp" in expert:
+        single["etp"] = sparse["etp"]
+    if backend == "spmd_types":
+        fwdbwd = unflatten({"pp": pp, "dp": batch, "cp": cp, "tp": tp})["dp", "cp", "tp"]
+        single["dp"] = fwdbwd["dp"]
+    if backend == "partial_dtensor":
+        single["fsdp"] = dense["fsdp"]
+    else:
+        single["dp_shard"] = dense["dp_shard"]
+
+    def exists(axis: str) -> bool:  # torchtitan's _mesh_exist: which axes get a real backend
+        if axis == "fsdp" or (axis == "dp_shard" and backend == "spmd_types"):
+            return True
+        if axis == "efsdp":
+            return ep > 1
+        return single[axis].size() > 1
+
+    return {
+        axis: view if exists(axis) else ValueError(f"Mesh '{axis}' is not available.")
+        for axis, view in single.items()
+    }
+
+
+def _root_entries(root: DeviceMesh, names: tuple[str, ...]) -> dict[str, Entry]:
+    """``root[name]`` for each name, or the KeyError torch raises for a name it lacks."""
+    entries: dict[str, Entry] = {}
+    for name in names:
+        try:
+            entries[name] = root[name]
+        except KeyError as error:
+            entries[name] = error
+    return entries
+
+
+def _legacy(d: Mapping[str, int]) -> dict[str, Entry]:
+    """Legacy ``build_mesh``: dims of degree > 1; with EP, dp_shard is split for the experts."""
+    ep, etp, tp, cp = d["ep"], d["etp"], d["tp"], d["cp"]
+    require(ep == 1 or etp in (1, tp), "Currently we only support ETP=TP or ETP=1")
+    sizes: list[tuple[str, int]]
+    if ep > 1:
+        borrowed = cp if etp == tp else cp * tp
+        require(
+            ep % borrowed == 0 and (d["dp_shard"] * borrowed) % ep == 0,
+            f"ep={ep} must be a multiple of {borrowed} dividing dp_shard * {borrowed}",
+        )
+        sizes = [
+            ("pp", d["pp"]),
+            ("dp_replicate", d["dp_replicate"]),
+            ("dp_shard_mod_ep", d["dp_shard"] * borrowed // ep),
+            ("dp_shard_in_ep", ep // borrowed),
+            ("cp", cp),
+            ("tp", tp),
+        ]
+        dims = [(n, s) for n, s in sizes if s > 1 or n == "dp_shard_mod_ep"]
+        shard = ["dp_shard_mod_ep", "dp_shard_in_ep"]
+    else:
+        sizes = [(n, d[n]) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
+        dims = [(n, s) for n, s in sizes if s > 1]
+        shard = ["dp_shard"]
+    root = mesh([s for _, s in dims], [n for n, _ in dims])
+    kept = set(root.mesh_dim_names or ())
+    replicate = [n for n in ("dp_replicate",) if n in kept]
+    shard = [n for n in shard if n in kept]
+    cps = [n for n in ("cp",) if n in kept]
+    flattens = {
+        "dp": replicate + shard,
+        "dp_shard_cp": shard + cps,
+        "dp_cp": replicate + shard + cps,
+    }
+    if ep > 1:
+        flattens["ep"] = [n for n in ("dp_shard_in_ep", "cp") if n in kept]
+        flattens["ep"] += ["tp"] if etp == 1 and "tp" in kept else []
+    for alias, spanned in flattens.items():
+        if spanned:
+            root[tuple(spanned)]._flatten(alias)
+    return _root_entries(root, _LEGACY_NAMES)
+
+
+def _hyper_parallel(world_size: int, raw: Mapping[str, int]) -> dict[str, Entry]:
+    """The hyper_parallel seed: validate, one root mesh, flatten aliases fsdp / dp / loss."""
+    for name in ("dp_replicate", "cp", "tp", "pp", "ep", "etp"):
+        require(raw[name] >= 1, f"Parallel degree {name}={raw[name]} must be >= 1", "ValueError")
+    d = dict(raw)
+    require(
+        not (d["dp_shard"] < -1 or d["dp_shard"] == 0), "dp_shard must be -1 or > 0", "ValueError"
+    )
+    non_dp = math.prod(d[k] for k in ("dp_replicate", "cp", "tp", "pp", "ep"))
+    if d["dp_shard"] == -1:
+        require(world_size % non_dp == 0, "Cannot auto-infer dp_shard", "ValueError")
+        d["dp_shard"] = max(world_size // non_dp, 1)
+    require(non_dp * d["dp_shard"] == world_size, "Invalid parallel dims", "ValueError")
+    require(d["ep"] == 1 or d["etp"] in (d["tp"], 1), "etp must equal tp or 1", "ValueError")
+    require(d["pp"] == 1, "Pipeline parallel is not yet implemented", "NotImplementedError")
+    order = ("dp_replicate", "dp_shard", "ep", "cp", "tp", "pp")
+    dims = [(n, d[n]) for n in order if d[n] > 1] or [("dp_shard", world_size)]
+    root = mesh([s for _, s in dims], [n for n, _ in dims])
+    base = set(root.mesh_dim_names or ())
+    done: set[str] = set()
+
+    def flatten_unique(source: tuple[str, ...], alias: str) -> None:
+        if alias not in base and alias not in done:
+            root[source]._flatten(alias)
+            done.add(alias)
+
+    data = tuple(n for n in ("dp_replicate", "dp_shard") if n in base)
+    if "dp_shard" in base:
+        flatten_unique(("dp_shard",), "fsdp")
+    if data:
+        flatten_unique(data, "dp")
+    if "cp" in base:
+        flatten_unique((*data, "cp"), "loss")
+    elif "dp" in done:
+        flatten_unique(("dp",), "loss")
+    return _root_entries(root, (*order, "fsdp", "dp", "loss"))

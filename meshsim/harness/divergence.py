@@ -1,0 +1,226 @@
+"""Compare the fake tier's per-rank call recordings and name the first disagreement.
+
+Two rules, mirroring what makes real backends hang:
+
+* world-synchronised group creations (``new_group``, DeviceMesh groups, ``split_group``)
+  are collective over the whole world, so every rank must make the same ones in order;
+* collectives on a group (and ``use_local_synchronization`` creations) must match in order
+  among that group's members; ranks outside the group are not compared.
+
+Point-to-point calls are not compared (a send pairs with a recv). Groups are identified by
+their global ranks. Creations are compared streaming against the first rank, so a 131,072
+rank world that builds thousands of groups per rank does not keep them all in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshsim.errors import CollectiveDivergence
+from meshsim.harness.outcome import RankOutcome, format_group
+from meshsim.harness.recorder import Call, TrackingSink
+
+Step = tuple[int, Call]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first disagreement between two ranks (``a`` is the reference side)."""
+
+    kind: str  # "creation" | "collective"
+    group: tuple[int, ...] | None
+    index: int
+    rank_a: int
+    rank_b: int
+    side_a: str
+    side_b: str
+    step_a: int | None
+    step_b: int | None
+
+    def first_step(self) -> int:
+        steps = [s for s in (self.step_a, self.step_b) if s is not None]
+        return min(steps) if steps else 0
+
+
+def _key(call: Call) -> tuple:
+    return (call.kind, call.op, call.group, call.local)
+
+
+class RankSink(TrackingSink):
+    """The sink of one fake rank: numbers its calls and feeds the comparison."""
+
+    def __init__(self, rank: int, comparison: Comparison) -> None:
+        super().__init__()
+        self.rank = rank
+        self.step = 0
+        self.calls: list[Step] = []
+        self._comparison = comparison
+
+    def enter(self, call: Call) -> None:
+        super().enter(call)
+        step = self.step
+        self.step += 1
+        if call.kind == "p2p":
+            return
+        if call.kind == "create" and not call.local:
+            self._comparison.creation(self.rank, step, call)
+        elif call.kind == "create" and call.group is not None and self.rank not in call.group:
+            return  # a local creation is a no-op for non-members
+        else:
+            self.calls.append((step, call))
+
+
+class Comparison:
+    """Collects every fake rank's recording and finds the earliest divergence."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.order: list[int] = []
+        self.calls: dict[int, list[Step]] = {}
+        self.last_step: dict[int, int] = {}
+        self._ref_rank: int | None = None
+        self._ref: list[Step] = []
+        self._index = 0
+        self._diverged = False
+        self.creation_divergence: Divergence | None = None
+
+    def begin_rank(self, rank: int) -> RankSink:
+        if self._ref_rank is None:
+            self._ref_rank = rank
+        self._index = 0
+        self._diverged = False
+        return RankSink(rank, self)
+
+    def creation(self, rank: int, step: int, call: Call) -> None:
+        if rank == self._ref_rank:
+            self._ref.append((step, call))
+            return
+        if self._diverged:
+            return
+        k = self._index
+        self._index += 1
+        if k >= len(self._ref) or _key(self._ref[k][1]) != _key(call):
+            self._diverged = True
+            self._note_creation(rank, k, (step, call))
+
+    def end_rank(self, sink: RankSink) -> None:
+        rank = sink.rank
+        self.order.append(rank)
+        self.calls[rank] = sink.calls
+        self.last_step[rank] = sink.step - 1
+        if rank != self._ref_rank and not self._diverged and self._index < len(self._ref):
+            self._note_creation(rank, self._index, None)
+
+    def _note_creation(self, rank: int, k: int, mine: Step | None) -> None:
+        if self.creation_divergence is not None:
+            return
+        assert self._ref_rank is not None
+        ref = self._ref[k] if k < len(self._ref) else None
+        self.creation_divergence = Divergence(
+            "creation",
+            None,
+            k,
+            self._ref_rank,
+            rank,
+            self._side(self._ref_rank, ref, "called", None),
+            self._side(rank, mine, "called", None),
+            ref[0] if ref else None,
+            mine[0] if mine else None,
+        )
+
+    def _side(self, rank: int, step: Step | None, verb: str, other_step: int | None) -> str:
+        ws = self.world_size
+        if step is not None:
+            return f"rank {rank} {verb} {step[1].describe(ws)} at step {step[0]}"
+        if other_step is not None:
+            later = [s for s in self.calls.get(rank, []) if s[0] >= other_step]
+            if later:
+                s, call = later[0]
+                return f"rank {rank} called {call.describe(ws)} at step {s} instead"
+        last = self.last_step.get(rank, -1)
+        if last < 0:
+            return f"rank {rank} made no such call (it recorded no calls at all)"
+        return f"rank {rank} made no such call (it returned after step {last})"
+
+    # ------------------------------------------------------------------ groups
+
+    def _group_divergences(self) -> list[Divergence]:
+        sampled = set(self.order)
+        position = {r: i for i, r in enumerate(self.order)}
+        projections: dict[int, dict[tuple[int, ...] | None, list[Step]]] = {}
+        for rank in self.order:
+            per_group: dict[tuple[int, ...] | None, list[Step]] = {}
+            for step in self.calls[rank]:
+                per_group.setdefault(step[1].group, []).append(step)
+            projections[rank] = per_group
+        groups = {g for per in projections.values() for g in per}
+        found: list[Divergence] = []
+        for group in groups:
+            if group is None:
+                members = list(self.order)
+            else:
+                members = sorted((r for r in set(group) if r in sampled), key=position.get)
+            if len(members) < 2:
+                continue
+            ref_rank = members[0]
+            ref = projections[ref_rank].get(group, [])
+            for other in members[1:]:
+                mine = projections[other].get(group, [])
+                div = self._compare(group, ref_rank, ref, other, mine)
+                if div is not None:
+                    found.append(div)
+                    break
+        return found
+
+    def _compare(
+        self, group: tuple[int, ...] | None, a: int, ref: list[Step], b: int, mine: list[Step]
+    ) -> Divergence | None:
+        for k in range(max(len(ref), len(mine))):
+            sa = ref[k] if k < len(ref) else None
+            sb = mine[k] if k < len(mine) else None
+            if sa is not None and sb is not None and _key(sa[1]) == _key(sb[1]):
+                continue
+            return Divergence(
+                "collective",
+                group,
+                k,
+                a,
+                b,
+                self._side(a, sa, "called", sb[0] if sb else None),
+                self._side(b, sb, "called", sa[0] if sa else None),
+                sa[0] if sa else None,
+                sb[0] if sb else None,
+            )
+        return None
+
+    def divergence(self, outcomes: Sequence[RankOutcome]) -> CollectiveDivergence | None:
+        """The earliest divergence as an exception, or ``None`` when all ranks agree."""
+        candidates = self._group_divergences()
+        if self.creation_divergence is not None:
+            candidates.append(self.creation_divergence)
+        if not candidates:
+            return None
+        div = min(candidates, key=lambda d: (d.first_step(), d.kind != "creation"))
+        if div.kind == "creation":
+            what = f"the world-synchronised group creations at index {div.index}"
+        else:
+            where = format_group(div.group, self.world_size)
+            what = f"their calls on {where} at index {div.index} of that group's sequence"
+        message = (
+            f"collective divergence: ranks {div.rank_a} and {div.rank_b} disagree on {what}; "
+            f"on a real backend these ranks would hang here.\n"
+            f"  {div.side_a};\n  {div.side_b}.\n"
+            "Steps are 0-based positions in each rank's sequence of recorded calls "
+            "(group creations and collectives)."
+        )
+        return CollectiveDivergence(
+            message,
+            tuple(outcomes),
+            kind=div.kind,
+            group=div.group,
+            index=div.index,
+            ranks=(div.rank_a, div.rank_b),
+            calls=(div.side_a, div.side_b),
+            steps=(div.step_a, div.step_b),
+        )

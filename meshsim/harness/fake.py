@@ -1,0 +1,91 @@
+"""The fake tier: the caller's process runs each rank in turn on torch's fake backend.
+
+No communication happens (collectives return at once with garbage data), so the tier checks
+metadata: ranks, meshes, groups - and the *order* of calls. Every rank's group creations and
+collectives are recorded and compared (``meshsim.harness.divergence``): a mismatch raises
+``CollectiveDivergence``. Between ranks all torch.distributed and DeviceMesh state is reset,
+so rank r+1 never sees rank r's groups or meshes. ``timeout`` applies to each rank's body
+(the ranks stand for processes that would run concurrently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshsim.harness import recorder
+from meshsim.harness.backend import Job
+from meshsim.harness.context import RankContext, rank_context
+from meshsim.harness.divergence import Comparison, RankSink
+from meshsim.harness.isolation import isolated_world, reset_rank_state
+from meshsim.harness.outcome import (
+    RankOutcome,
+    RunResult,
+    exception_fields,
+    failure_error,
+    timeout_error,
+)
+from meshsim.harness.threadtools import HarnessInterrupt, Watchdog
+
+
+class FakeBackend:
+    """One process, ranks one after another, ``FakeStore`` + the ``"fake"`` backend."""
+
+    name = "fake"
+
+    def run(self, job: Job) -> RunResult[Any]:
+        comparison = Comparison(job.world_size)
+        outcomes: list[RankOutcome] = []
+        recorder.install()
+        try:
+            with isolated_world(job.timeout, what="backend='fake'"):
+                try:
+                    for rank in job.ranks:
+                        reset_rank_state()
+                        sink = comparison.begin_rank(rank)
+                        outcome = _run_rank(job, rank, sink)
+                        comparison.end_rank(sink)
+                        outcomes.append(outcome)
+                        if outcome.status == "timeout":
+                            break
+                finally:
+                    reset_rank_state()
+        finally:
+            recorder.uninstall()
+        info = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        if outcomes and outcomes[-1].status == "timeout":
+            skipped = len(job.ranks) - len(outcomes)
+            note = f"(the fake tier runs ranks in turn; {skipped} later rank(s) were not run)"
+            raise timeout_error(outcomes, timeout=job.timeout, note=note, **info)
+        failure = failure_error(outcomes, **info)
+        if failure is not None:
+            raise failure
+        divergence = comparison.divergence(outcomes)
+        if divergence is not None:
+            raise divergence
+        return RunResult(outcomes, backend=self.name, world_size=job.world_size)
+
+
+def _run_rank(job: Job, rank: int, sink: RankSink) -> RankOutcome:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    ctx = RankContext(rank=rank, world_size=job.world_size, backend="fake", device="cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=job.world_size)
+    recorder.set_sink(sink)
+    watchdog = Watchdog(job.timeout)
+    try:
+        with rank_context(ctx):
+            try:
+                with watchdog:
+                    value = job.fn(*job.args, **job.kwargs)
+            except HarnessInterrupt:
+                return RankOutcome(
+                    rank, status="timeout", stack=watchdog.stack, collective=sink.where()
+                )
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
+                return RankOutcome(rank, status="error", **exception_fields(exc))
+        return RankOutcome(rank, value=value)
+    finally:
+        recorder.set_sink(None)

@@ -1,0 +1,244 @@
+"""The gloo tier: one pool worker process per rank, a ``FileStore`` rendezvous, real gloo.
+
+The parent supervises: it collects each rank's result, notices a rank that dies (exit code
+or signal, plus its last output), gives the others ``FAILURE_GRACE_S`` to finish after a
+failure, and at the deadline asks every live rank for its Python stack (``SIGUSR1`` ->
+``faulthandler``) and reads which collective it is in (``recorder.FileSink``) before killing
+it. A rank that dies *after* its result arrived is a teardown problem, not a body failure:
+the values are returned and a ``TeardownWarning`` is issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import time
+import warnings
+from typing import Any
+
+from meshsim.errors import MeshsimError, TeardownWarning
+from meshsim.harness import pickling, recorder, rendezvous
+from meshsim.harness.backend import Job
+from meshsim.harness.outcome import (
+    RankOutcome,
+    RunResult,
+    failure_error,
+    rank_label,
+    timeout_error,
+    trim_stack_text,
+)
+from meshsim.harness.pool import Worker, get_pool
+
+#: After the first failing rank, how long the others get to finish before being stopped.
+FAILURE_GRACE_S = 2.0
+#: How long to wait for a stack dump after SIGUSR1.
+STACK_WAIT_S = 1.0
+
+
+class _Rank:
+    def __init__(self, rank: int, worker: Worker) -> None:
+        self.rank = rank
+        self.worker = worker
+        self.result: dict[str, Any] | None = None
+        self.done = False
+        self.problems: list[str] = []
+        self.death: str | None = None  # how the process ended, if it did
+
+    @property
+    def finished(self) -> bool:
+        return self.done or self.death is not None
+
+
+class ProcessBackend:
+    """Shared by the gloo and nccl tiers (``name`` is the torch backend)."""
+
+    name = "gloo"
+
+    def run(self, job: Job) -> RunResult[Any]:
+        payload = pickling.dumps_body(job.fn, job.args, job.kwargs, self.name)
+        pool = get_pool()
+        if not pool.job_lock.acquire(timeout=job.timeout):
+            raise MeshsimError(
+                f"another {self.name} run in this process held the worker pool for "
+                f"{job.timeout:g} s; process-tier runs in one process take turns"
+            )
+        try:
+            workers = pool.acquire(job.world_size)
+            job_dir = rendezvous.make_dir("job")
+            ranks = [_Rank(r, w) for r, w in enumerate(workers)]
+            try:
+                return self._supervise(job, ranks, job_dir, payload)
+            finally:
+                clean = [r.worker for r in ranks if r.done and not r.problems]
+                broken = [r.worker for r in ranks if not (r.done and not r.problems)]
+                pool.release(clean, broken)
+                rendezvous.remove_dir(job_dir)
+        finally:
+            pool.job_lock.release()
+
+    # ------------------------------------------------------------------ supervision
+
+    def _supervise(self, job: Job, ranks: list[_Rank], job_dir: str, payload: bytes) -> Any:
+        from multiprocess.connection import wait
+
+        env = dict(os.environ)
+        for r in ranks:
+            r.worker.mark_log()
+            r.worker.send(
+                "job",
+                {
+                    "rank": r.rank,
+                    "world_size": job.world_size,
+                    "backend": self.name,
+                    "dir": job_dir,
+                    "timeout": job.timeout,
+                    "payload": payload,
+                    "env": env,
+                    "sys_path": list(sys.path),
+                    "cwd": os.getcwd(),
+                },
+            )
+        deadline = time.monotonic() + job.timeout
+        grace: float | None = None
+        while True:
+            pending = [r for r in ranks if not r.finished]
+            if not pending:
+                break
+            if any(r.death for r in ranks) and all(r.result is not None for r in pending):
+                break  # the rest only wait in teardown for a rank that is gone
+            limit = deadline if grace is None else min(deadline, grace)
+            now = time.monotonic()
+            if now >= limit:
+                break
+            by_conn = {r.worker.conn: r for r in pending}
+            for conn in wait(list(by_conn), timeout=limit - now):
+                r = by_conn[conn]
+                failed = self._receive(r)
+                if failed and grace is None:
+                    grace = time.monotonic() + FAILURE_GRACE_S
+        stuck = [r for r in ranks if r.result is None and r.death is None]
+        timed_out = bool(stuck) and grace is None
+        status = "timeout" if timed_out else "aborted"
+        stopped = self._stop([r for r in ranks if not r.finished], job_dir)
+        self._forward_output(ranks)
+        outcomes = [self._outcome(r, stopped.get(r.rank), status) for r in ranks]
+        info = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        if timed_out:
+            raise timeout_error(outcomes, timeout=job.timeout, **info)
+        failure = failure_error(outcomes, **info)
+        if failure is not None:
+            raise failure
+        teardown = [o for o in outcomes if o.teardown]
+        if teardown:
+            warnings.warn(
+                TeardownWarning(
+                    f"{rank_label(o.rank for o in teardown)} died during teardown after "
+                    f"returning ({teardown[0].teardown}); the values are valid, the workers "
+                    "were replaced"
+                ),
+                stacklevel=4,
+            )
+        return RunResult(
+            outcomes, backend=self.name, world_size=job.world_size, teardown_failures=teardown
+        )
+
+    def _receive(self, r: _Rank) -> bool:
+        """Handle one message (or EOF) from ``r``; True when it signals a failure."""
+        try:
+            msg = r.worker.recv()
+        except EOFError:
+            r.death = r.worker.describe_death()
+            return r.result is None
+        if msg[0] == "result":
+            r.result = msg[1]
+            return msg[1]["status"] != "ok"
+        if msg[0] == "done":
+            r.done = True
+            r.problems = list(msg[1])
+        return False
+
+    def _stop(self, live: list[_Rank], job_dir: str) -> dict[int, tuple]:
+        """Dump the stacks of ``live`` ranks still in the body, note their collective, kill all."""
+        info: dict[int, tuple] = {}
+        in_body = [r for r in live if r.result is None]
+        for r in in_body:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.worker.pid, signal.SIGUSR1)
+        paths = {r.rank: os.path.join(job_dir, f"stack-{r.rank}") for r in in_body}
+        end = time.monotonic() + STACK_WAIT_S
+        sizes: dict[int, int] = {}
+        while in_body and time.monotonic() < end:
+            now_sizes = {k: _size(p) for k, p in paths.items()}
+            if all(now_sizes.values()) and now_sizes == sizes:
+                break
+            sizes = now_sizes
+            time.sleep(0.05)
+        for r in in_body:
+            stack = _read(paths[r.rank]) or "(no stack: the process did not answer SIGUSR1)\n"
+            coll = recorder.read_file_sink(os.path.join(job_dir, f"coll-{r.rank}"))
+            info[r.rank] = (_faulthandler_to_text(stack), coll)
+        for r in live:  # only now: a killed peer makes the others leave their collective
+            r.worker.kill()
+        return info
+
+    def _forward_output(self, ranks: list[_Rank]) -> None:
+        for r in ranks:
+            text = r.worker.output()
+            if text.strip():
+                prefixed = "".join(f"[rank {r.rank}] {line}" for line in text.splitlines(True))
+                sys.stderr.write(prefixed if prefixed.endswith("\n") else prefixed + "\n")
+
+    def _outcome(self, r: _Rank, stopped: tuple | None, status: str) -> RankOutcome:
+        outcome = self._outcome_of(r, stopped, status)
+        return dataclasses.replace(outcome, pid=r.worker.pid)
+
+    def _outcome_of(self, r: _Rank, stopped: tuple | None, status: str) -> RankOutcome:
+        res = r.result
+        if res is None:
+            if r.death is not None:
+                code, sig = r.worker.status()
+                output = _tail(trim_stack_text(r.worker.output()))
+                return RankOutcome(
+                    r.rank, status="died", exit_code=code, signal_name=sig, output=output
+                )
+            stack, coll = stopped or (None, None)
+            return RankOutcome(r.rank, status=status, stack=stack, collective=coll)
+        if res["status"] != "ok":
+            fields = {k: res.get(k) for k in ("error_type", "error_message", "traceback")}
+            return RankOutcome(r.rank, status="error", collective=res.get("collective"), **fields)
+        teardown = None
+        if r.death is not None:
+            teardown = f"{r.death}; last output: {_tail(r.worker.output(), 3).strip()}"
+        return RankOutcome(r.rank, value=pickling.loads(res["value"]), teardown=teardown)
+
+
+class GlooBackend(ProcessBackend):
+    name = "gloo"
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "".join(text.splitlines(True)[-lines:])
+
+
+def _faulthandler_to_text(dump: str) -> str:
+    """The worker's thread stacks from faulthandler, minus the harness's own watcher thread."""
+    blocks = [b for b in dump.strip().split("\n\n") if "_watch_parent" not in b]
+    return trim_stack_text("\n\n".join(blocks).strip() + "\n")

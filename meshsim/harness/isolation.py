@@ -1,0 +1,122 @@
+"""Keep torch.distributed's process-global state apart between ranks, runs and the caller.
+
+torch keeps the default group, every group's bookkeeping (``_world``), the C++ group-name
+registry, the "global rank" used in log prefixes and a ``sys.excepthook`` wrapper installed by
+each ``init_process_group`` in process globals. The in-process tiers (fake, threaded) swap in
+torch's own thread-local world (``ThreadLocalWorld`` from the threaded-PG test utilities)
+and the C++ thread-isolation mode, so a caller that already has a process group keeps it
+untouched, and everything is restored afterwards. ``leftovers`` lists state a rank left
+behind (used by workers to decide whether they may be reused).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# The swap is process-global: in-process runs (fake, threaded) take turns.
+_in_process_lock = threading.Lock()
+_active = threading.local()
+
+
+def threaded_pg_module():  # type: ignore[no-untyped-def]
+    """``torch.testing._internal.distributed.multi_threaded_pg``, imported once, lazily.
+
+    On some torch versions it pulls in ``expecttest`` (a test-only dependency) and costs
+    seconds to import, so it is only imported by the tiers that need it.
+    """
+    try:
+        import torch.testing._internal.distributed.multi_threaded_pg as mtpg
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        from meshsim.errors import UsageError
+
+        raise UsageError(
+            f"the threaded/fake tiers need torch's test utilities, which failed to import "
+            f"({exc}); install the test extra: pip install expecttest"
+        ) from exc
+    return mtpg
+
+
+@contextmanager
+def isolated_world(timeout: float, *, what: str) -> Iterator[None]:
+    """Give the in-process ranks a private torch.distributed world; restore it afterwards."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    from meshsim.errors import MeshsimError
+
+    if getattr(_active, "inside", False):
+        raise MeshsimError(
+            f"meshsim.run({what}) was called from inside an in-process rank; nesting fake or "
+            "threaded runs is not supported, call it from the test itself"
+        )
+    if not _in_process_lock.acquire(timeout=timeout):
+        raise MeshsimError(
+            f"another fake/threaded meshsim.run kept the in-process world busy for {timeout} s; "
+            "in-process runs take turns (the swap of torch's world is process-global)"
+        )
+    mtpg = threaded_pg_module()
+
+    class _IsolatedWorld(mtpg.ThreadLocalWorld):  # type: ignore[misc,name-defined]
+        pg_config_info = c10d._World.pg_config_info
+
+    saved_world = c10d._world
+    saved_autograd_mt = torch._C._is_multithreading_enabled()
+    saved_hook = sys.excepthook
+    saved_rank = c10d.get_rank() if c10d.is_initialized() else -1
+    _active.inside = True
+    try:
+        c10d._world = _IsolatedWorld()
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        yield
+    finally:
+        _active.inside = False
+        c10d._world = saved_world
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        torch._C._distributed_c10d._set_global_rank(saved_rank)
+        sys.excepthook = saved_hook
+        # The threaded PG turns autograd multithreading off process-wide; turn it back.
+        torch.autograd.set_multithreading_enabled(saved_autograd_mt)
+        _in_process_lock.release()
+
+
+def reset_rank_state() -> None:
+    """Forget everything the previous rank built in this thread: groups, meshes, RNG tracker.
+
+    DeviceMesh keeps its flatten mapping and group registry on the root mesh object (garbage
+    once the rank's body returned) and its ``_mesh_resources.mesh_stack`` in a thread-local,
+    which is cleared here; DTensor's RNG tracker is a module global bound to a mesh.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    mesh_mod = sys.modules.get("torch.distributed.device_mesh")
+    resources = getattr(mesh_mod, "_mesh_resources", None)
+    if resources is not None and hasattr(resources, "mesh_stack"):
+        resources.mesh_stack.clear()
+    random_mod = sys.modules.get("torch.distributed.tensor._random")
+    if random_mod is not None and getattr(random_mod, "_rng_tracker", None) is not None:
+        random_mod._rng_tracker = None
+
+
+def leftovers() -> list[str]:
+    """Distributed state still alive in this thread/process; empty when clean."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    found: list[str] = []
+    if dist.is_initialized():
+        found.append("a default process group is still initialised")
+    if c10d._world.pg_map:
+        found.append(f"{len(c10d._world.pg_map)} process group(s) still registered")
+    mesh_mod = sys.modules.get("torch.distributed.device_mesh")
+    resources = getattr(mesh_mod, "_mesh_resources", None)
+    if resources is not None and getattr(resources, "mesh_stack", None):
+        found.append("a DeviceMesh context (with mesh:) is still entered")
+    random_mod = sys.modules.get("torch.distributed.tensor._random")
+    if random_mod is not None and getattr(random_mod, "_rng_tracker", None) is not None:
+        found.append("DTensor's RNG tracker is still bound to a mesh")
+    return found

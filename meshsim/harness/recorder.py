@@ -1,0 +1,371 @@
+"""Record each rank's process-group creations and collectives by wrapping torch's entry points.
+
+Used by the fake tier (to compare ranks' call sequences) and by every tier's timeout report
+(to say which collective each rank was blocked in). The wrappers are installed process-wide
+(``install``/``uninstall``, reference counted) and cost one thread-local lookup when no sink
+is active. Only the outermost call is recorded: ``all_gather_object`` is one event, not the
+``all_gather`` it issues inside.
+
+Limitation: a function bound *before* ``install`` by user code (``from torch.distributed
+import all_reduce`` at import time of a module loaded earlier) keeps the original and is not
+recorded. Modules under ``torch.distributed`` are re-bound at install time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from meshsim.harness.outcome import format_group
+
+# c10d entry points that are collective over their group.
+COLLECTIVES = (
+    "broadcast",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "all_to_all_single",
+    "all_to_all",
+    "barrier",
+    "monitored_barrier",
+)
+# Point-to-point: recorded for timeout reports, never compared between ranks.
+P2P = (
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "send_object_list",
+    "recv_object_list",
+    "batch_isend_irecv",
+)
+# Functional collectives (DTensor, FSDP2, compiled code) live in their own module.
+FUNCOL = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "broadcast",
+    "permute_tensor",
+)
+# Group creation: ``new_group``, ``new_subgroups*`` and DeviceMesh all reach
+# ``_new_group_with_tag``; ``split_group`` is separate (and bound by name in device_mesh).
+CREATIONS = {"_new_group_with_tag": "new_group", "split_group": "split_group"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded call. ``group`` is the group's global ranks, ``None`` for the world.
+
+    ``kind``: ``collective``, ``p2p`` or ``create``. ``local`` marks a creation that only
+    synchronises the new group's members (``use_local_synchronization=True``).
+    """
+
+    kind: str
+    op: str
+    group: tuple[int, ...] | None
+    detail: str | None = None
+    local: bool = False
+
+    def describe(self, world_size: int | None = None) -> str:
+        where = format_group(self.group, world_size)
+        if self.kind == "create":
+            text = f"{self.op} for {where}"
+            return text + (f" ({self.detail})" if self.detail else "")
+        if self.kind == "p2p":
+            return f"{self.op} {self.detail or ''} on {where}".replace("  ", " ")
+        return f"{self.op} on {where}"
+
+
+class Sink(Protocol):
+    """Receives the calls of one rank."""
+
+    def enter(self, call: Call) -> None: ...
+
+    def exit(self, call: Call, error: BaseException | None = None) -> None: ...
+
+
+_tls = threading.local()
+_process_sink: Sink | None = None
+_install_lock = threading.Lock()
+_install_count = 0
+_patched: list[tuple[Any, str, Any]] = []
+
+
+def set_sink(sink: Sink | None, *, process_wide: bool = False) -> None:
+    """Route this thread's (or, as a fallback, every thread's) calls to ``sink``."""
+    global _process_sink
+    if process_wide:
+        _process_sink = sink
+    else:
+        _tls.sink = sink
+
+
+def _current_sink() -> Sink | None:
+    return getattr(_tls, "sink", None) or _process_sink
+
+
+# ---------------------------------------------------------------------------- describing
+
+
+def group_ranks(group: Any) -> tuple[int, ...] | None:
+    """Global ranks of ``group`` in any form torch accepts; ``None`` means the world."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if group is None:
+        return None
+    if isinstance(group, str):
+        group = c10d._resolve_process_group(group)
+    elif isinstance(group, tuple) and len(group) == 2 and hasattr(group[0], "get_group"):
+        group = group[0].get_group(group[1])
+    elif hasattr(group, "get_group") and hasattr(group, "mesh"):
+        group = group.get_group()
+    elif isinstance(group, list):
+        flat = [r for sub in group for r in (sub if isinstance(sub, list) else [sub])]
+        return tuple(int(r) for r in flat)
+    if group is c10d.GroupMember.WORLD:
+        return None
+    return tuple(c10d.get_process_group_ranks(group))
+
+
+def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> Call:
+    try:
+        bound = sig.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = {}
+    try:
+        if kind == "create":
+            return _describe_creation(op, bound)
+        group = group_ranks(bound.get("group"))
+        detail = None
+        if kind == "p2p":
+            peer = next(
+                (
+                    bound[k]
+                    for k in ("dst", "src", "group_dst", "group_src")
+                    if bound.get(k) is not None
+                ),
+                None,
+            )
+            if op == "batch_isend_irecv":
+                ops = bound.get("p2p_op_list") or []
+                group = group_ranks(getattr(ops[0], "group", None)) if ops else None
+                detail = f"of {len(ops)} ops"
+            elif peer is not None:
+                detail = "to" if op in ("send", "isend", "send_object_list") else "from"
+                detail += f" rank {peer}"
+        return Call(kind, op, group, detail)
+    except Exception as exc:  # describing must never break the call itself
+        return Call(kind, op, None, f"group unknown: {type(exc).__name__}")
+
+
+def _describe_creation(op: str, bound: dict) -> Call:
+    desc = bound.get("group_desc")
+    if op == "split_group":
+        parent = group_ranks(bound.get("parent_pg"))
+        split = bound.get("split_ranks") or []
+        detail = f"into {[tuple(s) for s in split][:4]}{'...' if len(split) > 4 else ''}"
+        if desc:
+            detail += f", desc={desc!r}"
+        return Call("create", op, parent, detail)
+    ranks = bound.get("ranks")
+    group = None if ranks is None else tuple(sorted(int(r) for r in ranks))
+    local = bool(bound.get("use_local_synchronization", False))
+    return Call("create", op, group, f"desc={desc!r}" if desc else None, local)
+
+
+# ---------------------------------------------------------------------------- wrapping
+
+
+def _wrap(kind: str, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        sink = _current_sink()
+        if sink is None or getattr(_tls, "depth", 0):
+            return original(*args, **kwargs)
+        call = _describe(kind, op, sig, args, kwargs)
+        _tls.depth = 1
+        try:
+            sink.enter(call)
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            _tls.depth = 0
+            sink.exit(call, exc)
+            raise
+        _tls.depth = 0
+        sink.exit(call)
+        return result
+
+    wrapper.__meshsim_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _targets() -> list[tuple[Any, str, str, str]]:
+    """(module, attribute, kind, op) for every entry point to wrap."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    out: list[tuple[Any, str, str, str]] = []
+    for name in COLLECTIVES:
+        if hasattr(c10d, name):
+            out.append((c10d, name, "collective", name))
+    for name in P2P:
+        if hasattr(c10d, name):
+            out.append((c10d, name, "p2p", name))
+    for name, op in CREATIONS.items():
+        if hasattr(c10d, name):
+            out.append((c10d, name, "create", op))
+    for name in FUNCOL:
+        if hasattr(funcol, name):
+            out.append((funcol, name, "collective", f"{name} (functional)"))
+    return out
+
+
+def install() -> None:
+    """Wrap torch.distributed's entry points (idempotent, reference counted)."""
+    global _install_count
+    with _install_lock:
+        _install_count += 1
+        if _install_count > 1:
+            return
+        replacements: dict[int, Any] = {}
+        for module, attr, kind, op in _targets():
+            original = getattr(module, attr)
+            wrapper = _wrap(kind, op, original)
+            replacements[id(original)] = (original, wrapper)
+            _patched.append((module, attr, original))
+            setattr(module, attr, wrapper)
+        # Re-bind aliases (``torch.distributed.all_reduce``, device_mesh's ``split_group``).
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("torch.distributed") or module is None:
+                continue
+            for attr, value in list(vars(module).items()):
+                hit = replacements.get(id(value))
+                if hit is not None and hit[0] is value:
+                    _patched.append((module, attr, value))
+                    setattr(module, attr, hit[1])
+
+
+def uninstall() -> None:
+    """Undo ``install`` once every user of the wrappers is done."""
+    global _install_count
+    with _install_lock:
+        _install_count = max(0, _install_count - 1)
+        if _install_count:
+            return
+        while _patched:
+            module, attr, original = _patched.pop()
+            setattr(module, attr, original)
+
+
+# ---------------------------------------------------------------------------- sinks
+
+
+class TrackingSink:
+    """Keeps the call in progress and the last finished one (for timeout reports)."""
+
+    def __init__(self) -> None:
+        self.current: Call | None = None
+        self.last: Call | None = None
+        self.raised_in: Call | None = None
+        self.count = 0
+
+    def enter(self, call: Call) -> None:
+        self.current = call
+        self.count += 1
+
+    def exit(self, call: Call, error: BaseException | None = None) -> None:
+        self.current = None
+        self.last = call
+        self.raised_in = call if error is not None else None
+
+    def where(self, world_size: int | None = None) -> str | None:
+        """``all_reduce on group (0,1) (call #3)`` while blocked, else ``None``."""
+        if self.current is None:
+            return None
+        return f"{self.current.describe(world_size)} (call #{self.count})"
+
+    def raised_where(self, world_size: int | None = None) -> str | None:
+        """The call the last exception came out of, if it came out of one."""
+        if self.raised_in is None:
+            return None
+        return f"{self.raised_in.describe(world_size)} (call #{self.count})"
+
+
+class ListSink(TrackingSink):
+    """Also keeps every call in order (the fake tier's per-rank sequence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Call] = []
+
+    def enter(self, call: Call) -> None:
+        super().enter(call)
+        self.calls.append(call)
+
+
+class FileSink(TrackingSink):
+    """Mirrors the call in progress into a small file a parent process can read at a timeout.
+
+    A blocked worker cannot answer questions, so the state lives outside it: one ``pwrite``
+    per call into a fixed-size record.
+    """
+
+    SIZE = 1024
+
+    def __init__(self, fd: int, world_size: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self._world_size = world_size
+
+    def _write(self, text: str) -> None:
+        import os
+
+        data = text.encode("utf-8", "replace")[: self.SIZE - 1]
+        with contextlib.suppress(OSError):
+            os.pwrite(self._fd, data + b"\0" * (self.SIZE - len(data)), 0)
+
+    def enter(self, call: Call) -> None:
+        super().enter(call)
+        self._write("in " + (self.where(self._world_size) or ""))
+
+    def exit(self, call: Call, error: BaseException | None = None) -> None:
+        super().exit(call, error)
+        self._write(f"done {call.describe(self._world_size)} (call #{self.count})")
+
+
+def read_file_sink(path: str) -> str | None:
+    """The collective recorded in ``path`` by a ``FileSink`` if the rank was inside one."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(FileSink.SIZE).split(b"\0", 1)[0].decode("utf-8", "replace")
+    except OSError:
+        return None
+    return text[3:] if text.startswith("in ") else None

@@ -1,0 +1,224 @@
+"""The threaded tier: one thread per rank on torch's in-process ``"threaded"`` backend.
+
+Real collectives with real data, no processes. Rendezvous is a ``HashStore``.
+
+Shared state. torch's threaded backend keeps the world per thread (``ThreadLocalWorld``) and
+the C++ group registry per thread (thread-isolation mode); both are swapped in only for the
+run (``meshsim.harness.isolation``), so the caller's own process group is untouched.
+DeviceMesh's ``_mesh_resources`` is a ``threading.local`` in torch 2.6+ and meshes keep their
+flatten mapping and group registry on the root mesh object, so ranks do not share mesh
+state; the tests cross-check a mesh workload against the gloo tier to keep that true.
+The backend's collective bookkeeping (``ProcessLocalGroup``) is class-level, so threaded
+runs in one process take turns.
+
+Hangs. Python cannot kill a thread. At the deadline the harness (1) snapshots every live
+rank's stack and the collective it is in, (2) aborts the threaded world, which makes every
+rank blocked in a collective raise, (3) raises ``HarnessInterrupt`` asynchronously in the
+ranks still running Python code, and (4) joins them with a grace period. A thread stuck in C
+code (``time.sleep``, a lock without timeout) survives: it is reported loudly in the
+``RankTimeout`` (``survivors``), left as a daemon thread that will not touch torch state
+when it wakes, and later threaded runs wait for it (up to their timeout) before starting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from meshsim.errors import MeshsimError
+from meshsim.harness import recorder
+from meshsim.harness.backend import Job
+from meshsim.harness.context import RankContext, rank_context
+from meshsim.harness.isolation import isolated_world, threaded_pg_module
+from meshsim.harness.outcome import (
+    RankOutcome,
+    RunResult,
+    exception_fields,
+    failure_error,
+    rank_label,
+    timeout_error,
+)
+from meshsim.harness.threadtools import HarnessInterrupt, async_raise, thread_stack
+
+#: After the first failing rank, how long the others get to finish before being stopped.
+FAILURE_GRACE_S = 2.0
+#: How long stopped threads get to unwind after the abort.
+JOIN_GRACE_S = 2.0
+
+_survivors: list[tuple[int, threading.Thread]] = []
+
+
+class _Rank:
+    """One rank thread and what it reported."""
+
+    def __init__(self, run: _Run, rank: int) -> None:
+        self.run = run
+        self.rank = rank
+        self.sink = recorder.TrackingSink()
+        self.outcome: RankOutcome | None = None
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(
+            target=self._main, name=f"meshsim-threaded-rank-{rank}", daemon=True
+        )
+
+    def _main(self) -> None:
+        import torch.distributed as dist
+
+        run, job = self.run, self.run.job
+        plg = run.plg
+        ctx = RankContext(rank=self.rank, world_size=job.world_size, backend="threaded")
+        recorder.set_sink(self.sink)
+        try:
+            with rank_context(ctx):
+                dist.init_process_group(
+                    "threaded",
+                    rank=self.rank,
+                    world_size=job.world_size,
+                    store=run.store,
+                    timeout=timedelta(seconds=job.timeout),
+                )
+                value = job.fn(*job.args, **job.kwargs)
+            self.report(RankOutcome(self.rank, value=value))
+        except HarnessInterrupt:
+            self.report(RankOutcome(self.rank, status="timeout"))
+        except SystemExit as exc:
+            if plg._terminate.is_set():  # the world was aborted while we were in a collective
+                where = self.sink.raised_where(job.world_size)
+                self.report(RankOutcome(self.rank, status="aborted", collective=where))
+            else:
+                self.report(RankOutcome(self.rank, status="error", **exception_fields(exc)))
+                plg.exception_handle(exc)
+        except BaseException as exc:
+            self.report(RankOutcome(self.rank, status="error", **exception_fields(exc)))
+            plg.exception_handle(exc)  # wake the ranks waiting for us in a collective
+        finally:
+            recorder.set_sink(None)
+            if not run.abandoned:
+                try:
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
+                except Exception:
+                    pass
+            with run.cond:
+                run.cond.notify_all()
+
+    def report(self, outcome: RankOutcome) -> None:
+        """Keep the first outcome: the harness may have decided this rank's fate already."""
+        with self.lock:
+            if self.outcome is None:
+                self.outcome = outcome
+
+
+class _Run:
+    def __init__(self, job: Job, plg: Any, store: Any) -> None:
+        self.job = job
+        self.plg = plg
+        self.store = store
+        self.abandoned = False
+        self.cond = threading.Condition()
+        self.ranks = [_Rank(self, r) for r in range(job.world_size)]
+
+    def alive(self) -> list[_Rank]:
+        return [r for r in self.ranks if r.thread.is_alive()]
+
+    def wait(self, deadline: float) -> None:
+        """Until all ranks finish, the deadline, or the failure grace after a failure."""
+        failed_at: float | None = None
+        with self.cond:
+            while self.alive():
+                now = time.monotonic()
+                if failed_at is None and any(
+                    r.outcome is not None and r.outcome.status == "error" for r in self.ranks
+                ):
+                    failed_at = now
+                limit = (
+                    deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+                )
+                if now >= limit:
+                    return
+                self.cond.wait(min(0.1, limit - now))
+
+    def stop(self, status: str) -> tuple[int, ...]:
+        """Stop every live rank; returns the ranks whose threads would not stop."""
+        live = self.alive()
+        for r in live:
+            r.report(
+                RankOutcome(
+                    r.rank,
+                    status=status,
+                    stack=thread_stack(r.thread.ident),
+                    collective=r.sink.where(self.job.world_size),
+                )
+            )
+        if not live:
+            return ()
+        self.plg.exception_handle(TimeoutError("meshsim: run stopped"))
+        deadline = time.monotonic() + JOIN_GRACE_S
+        for r in live:
+            r.thread.join(max(0.0, deadline - time.monotonic()))
+        for r in live:
+            if r.thread.is_alive():
+                async_raise(r.thread.ident)
+        deadline = time.monotonic() + JOIN_GRACE_S
+        for r in live:
+            r.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = tuple(r.rank for r in live if r.thread.is_alive())
+        if stuck:
+            self.abandoned = True
+            _survivors.extend((r.rank, r.thread) for r in live if r.thread.is_alive())
+        return stuck
+
+
+def _wait_for_survivors(timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for _, thread in list(_survivors):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _survivors[:] = [(r, t) for r, t in _survivors if t.is_alive()]
+    if _survivors:
+        stacks = "\n".join(f"--- {t.name} ---\n{thread_stack(t.ident)}" for _, t in _survivors)
+        raise MeshsimError(
+            f"{rank_label(r for r, _ in _survivors)} of an earlier threaded run could not be "
+            f"stopped and are still alive after waiting {timeout:g} s; threaded runs in this "
+            f"process are unsafe until they exit. Restart the interpreter, or use "
+            f"backend='gloo' (processes can be killed).\n{stacks}"
+        )
+
+
+class ThreadedBackend:
+    """``world_size`` threads in this process on the ``"threaded"`` backend."""
+
+    name = "threaded"
+
+    def run(self, job: Job) -> RunResult[Any]:
+        import torch.distributed as dist
+
+        _wait_for_survivors(job.timeout)
+        plg = threaded_pg_module().ProcessLocalGroup
+        recorder.install()
+        survivors: tuple[int, ...] = ()
+        timed_out = False
+        try:
+            with isolated_world(job.timeout, what="backend='threaded'"):
+                plg.reset()
+                run = _Run(job, plg, dist.HashStore())
+                deadline = time.monotonic() + job.timeout
+                try:
+                    for r in run.ranks:
+                        r.thread.start()
+                    run.wait(deadline)
+                    timed_out = bool(run.alive()) and time.monotonic() >= deadline
+                    survivors = run.stop("timeout" if timed_out else "aborted")
+                finally:
+                    plg.reset()
+        finally:
+            recorder.uninstall()
+        outcomes = [r.outcome or RankOutcome(r.rank, status="aborted") for r in run.ranks]
+        info = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        if timed_out:
+            raise timeout_error(outcomes, timeout=job.timeout, survivors=survivors, **info)
+        failure = failure_error(outcomes, **info)
+        if failure is not None:
+            raise failure
+        return RunResult(outcomes, backend=self.name, world_size=job.world_size)

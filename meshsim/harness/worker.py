@@ -1,0 +1,235 @@
+"""The code inside a pool worker process: boot once with torch imported, then run ranks.
+
+Protocol (pickled tuples over a socketpair): worker -> ``("ready", pid)``; parent ->
+``("job", spec)``; worker -> ``("result", outcome)`` as soon as the body returned, then
+``("done", problems)`` after teardown. An empty ``problems`` list means the worker is clean
+and may take the next job; otherwise it exits and the parent replaces it. Parent ->
+``("exit",)`` ends the worker.
+
+Teardown is robust by construction: every rank signals "finished" through the job's file
+store and waits for the others before destroying its process group, so no rank tears down
+its gloo connections while a peer is still inside a collective with it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from meshsim.harness import isolation, pickling, recorder, rendezvous
+from meshsim.harness.context import RankContext, rank_context
+from meshsim.harness.outcome import exception_fields
+
+#: Seconds between checks that the parent is still alive.
+ORPHAN_POLL_S = 0.5
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the parent dies, even while a body hangs (no orphans after a hard kill)."""
+    while True:
+        time.sleep(ORPHAN_POLL_S)
+        if os.getppid() != parent:
+            os._exit(70)
+
+
+def _children() -> list[int]:
+    pids: list[int] = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return pids
+
+
+class Worker:
+    def __init__(self, fd: int) -> None:
+        from multiprocess.connection import Connection
+
+        self.conn = Connection(fd)
+        self.devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the worker
+        self.baseline_threads: set[int] = set()
+
+    def send(self, *msg: Any) -> None:
+        self.conn.send_bytes(pickle.dumps(msg))
+
+    def boot(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+        faulthandler.enable(file=sys.stderr, all_threads=True)  # crash stacks into the log
+        faulthandler.register(signal.SIGUSR1, file=self.devnull, all_threads=True)
+        threading.Thread(
+            target=_watch_parent, args=(os.getppid(),), name="meshsim-orphan-watch", daemon=True
+        ).start()
+        import dill  # noqa: F401
+        import torch
+        import torch.distributed
+        import torch.distributed._functional_collectives
+        import torch.distributed.device_mesh
+
+        torch.set_num_threads(1)  # N ranks share the machine's cores, as under torchrun
+        recorder.install()
+        self.baseline_threads = {t.ident for t in threading.enumerate()}
+        self.send("ready", os.getpid())
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if msg[0] != "job":
+                return
+            if not self.run_job(msg[1]):
+                return
+
+    # ------------------------------------------------------------------ one rank
+
+    def run_job(self, spec: dict[str, Any]) -> bool:
+        rank, world, job_dir = spec["rank"], spec["world_size"], spec["dir"]
+        saved_env, saved_path, saved_cwd = dict(os.environ), list(sys.path), os.getcwd()
+        body_env = dict(spec["env"])
+        body_env.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+        )
+        os.environ.clear()
+        os.environ.update(body_env)
+        sys.path[:] = spec["sys_path"]
+        os.chdir(spec["cwd"])
+        stack_file = open(os.path.join(job_dir, f"stack-{rank}"), "w")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        coll_fd = os.open(os.path.join(job_dir, f"coll-{rank}"), os.O_RDWR | os.O_CREAT, 0o600)
+        sink = recorder.FileSink(coll_fd, world)
+        recorder.set_sink(sink, process_wide=True)
+        deadline = time.monotonic() + spec["timeout"]
+        store = None
+        try:
+            store = rendezvous.file_store(job_dir, world)
+            outcome = self.run_body(spec, store, sink)
+            self.send("result", outcome)
+            problems = self.teardown(store, rank, world, deadline)
+        finally:
+            recorder.set_sink(None, process_wide=True)
+            faulthandler.register(signal.SIGUSR1, file=self.devnull, all_threads=True)
+            stack_file.close()
+            os.close(coll_fd)
+            del store
+        changed = sorted(
+            k for k in set(os.environ) | set(body_env) if os.environ.get(k) != body_env.get(k)
+        )
+        if changed:
+            problems.append(f"the body changed environment variables {changed[:8]}")
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
+        os.chdir(saved_cwd)
+        problems += self.leftovers()
+        self.send("done", problems)
+        return not problems
+
+    def run_body(self, spec: dict[str, Any], store: Any, sink: recorder.FileSink) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        rank, world, backend = spec["rank"], spec["world_size"], spec["backend"]
+        device = "cpu"
+        try:
+            try:
+                fn, args, kwargs = pickling.loads(spec["payload"])
+            except Exception as exc:
+                fields = exception_fields(exc)
+                fields["error_message"] = (
+                    f"could not load the body in the worker: {exc}. The worker imports the "
+                    "body's module by name with the caller's sys.path and working directory; "
+                    "make that module importable or define the body inside the test."
+                )
+                return {"status": "error", **fields}
+            extra: dict[str, Any] = {}
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+                device = f"cuda:{rank}"
+                extra["device_id"] = torch.device(device)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=spec["timeout"] + 30),
+                **extra,
+            )
+            ctx = RankContext(rank=rank, world_size=world, backend=backend, device=device)
+            with rank_context(ctx, process_wide=True):
+                value = fn(*args, **kwargs)
+        except BaseException as exc:
+            return {
+                "status": "error",
+                "collective": sink.raised_where(world),
+                **exception_fields(exc),
+            }
+        try:
+            data = pickling.dumps(value)
+        except Exception as exc:
+            fields = exception_fields(exc)
+            fields["error_message"] = (
+                f"rank {rank} returned a {type(value).__name__} that dill cannot pickle "
+                f"({exc}); return plain data (numbers, lists, tensors) instead"
+            )
+            return {"status": "error", **fields}
+        return {"status": "ok", "value": data}
+
+    def teardown(self, store: Any, rank: int, world: int, deadline: float) -> list[str]:
+        """Wait (through the store) until every rank finished, then destroy the groups."""
+        import torch.distributed as dist
+
+        problems: list[str] = []
+        try:
+            store.set(f"meshsim/finished/{rank}", "1")
+            left = max(1.0, deadline - time.monotonic())
+            store.wait([f"meshsim/finished/{r}" for r in range(world)], timedelta(seconds=left))
+        except Exception as exc:
+            problems.append(f"teardown: the other ranks did not finish ({exc})")
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:
+            problems.append(f"teardown: destroy_process_group failed ({exc})")
+        isolation.reset_rank_state()
+        return problems
+
+    def leftovers(self) -> list[str]:
+        problems = isolation.leftovers()
+        extra = [t for t in threading.enumerate() if t.ident not in self.baseline_threads]
+        for t in extra:
+            t.join(0.2)
+        extra = [t.name for t in extra if t.is_alive()]
+        if extra:
+            problems.append(f"the body left threads running: {extra[:8]}")
+        children = _children()
+        if children:
+            problems.append(f"the body left child processes: {children[:8]}")
+        return problems
+
+
+def main(fd: int) -> None:
+    """Entry point of ``python -c 'from meshsim.harness.worker import main; main(fd)'``."""
+    code = 0
+    try:
+        worker = Worker(fd)
+        worker.boot()
+        worker.serve()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # skip interpreter teardown: torch's C++ threads make it fragile

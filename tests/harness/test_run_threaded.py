@@ -1,0 +1,157 @@
+"""The threaded tier: one thread per rank, real collectives, cross-checked against gloo."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from meshsim.errors import MeshsimError, RankFailure, RankTimeout
+from meshsim.harness import RankContext, context, run
+
+
+def mesh_workload() -> dict:
+    """Build a 3-D mesh, slice and flatten it, and all_gather ranks over every group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    flat = mesh["dp", "tp"]._flatten("dp_tp")
+    sub = mesh["pp", "tp"]
+    groups = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
+    groups["dp_tp"] = flat.get_group()
+    groups["sub_tp"] = sub.get_group("tp")
+    gathered = {}
+    for name, group in groups.items():
+        size = dist.get_world_size(group)
+        out = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
+        dist.all_gather(out, torch.tensor([dist.get_rank()]), group=group)
+        gathered[name] = [int(t) for t in out]
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    return {
+        "ranks": {n: dist.get_process_group_ranks(g) for n, g in groups.items()},
+        "gathered": gathered,
+        "coord": list(mesh.get_coordinate()),
+        "sum": total.item(),
+    }
+
+
+def test_values_context_and_real_collectives() -> None:
+    def body() -> tuple:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(t)
+        return context(), threading.current_thread().name, t.item()
+
+    out = run(body, 4, "threaded")
+    assert [ctx for ctx, _, _ in out] == [RankContext(r, 4, "threaded") for r in range(4)]
+    assert all(name.startswith("meshsim-threaded-rank-") for _, name, _ in out)
+    assert [v for _, _, v in out] == [10.0] * 4
+
+
+def test_mesh_workload_matches_gloo() -> None:
+    threaded = run(mesh_workload, 8, "threaded", timeout=60)
+    gloo = run(mesh_workload, 8, "gloo", timeout=120)
+    assert list(threaded) == list(gloo)
+    assert threaded[6]["ranks"]["dp_tp"] == [4, 5, 6, 7]
+    assert threaded[6]["gathered"]["pp"] == [2, 6]
+    assert threaded[0]["sum"] == 28.0
+
+
+def test_callers_state_is_restored() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import _mesh_resources
+
+    hook = __import__("sys").excepthook
+    run(mesh_workload, 4 * 2, "threaded")
+    assert not dist.is_initialized()
+    assert torch._C._is_multithreading_enabled()
+    assert __import__("sys").excepthook is hook
+    assert _mesh_resources.mesh_stack == []
+
+
+def test_a_failing_rank_aborts_ranks_waiting_for_it() -> None:
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise KeyError("boom")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankFailure) as info:
+        run(body, 3, "threaded", timeout=30)
+    text = str(info.value)
+    assert "rank 1: KeyError: 'boom'" in text
+    assert "ranks 0, 2: aborted after another rank failed (in all_reduce on the world" in text
+    statuses = {o.rank: o.status for o in info.value.outcomes}
+    assert statuses == {0: "aborted", 1: "error", 2: "aborted"}
+
+
+def test_hang_in_a_collective_times_out_with_stacks_and_collectives() -> None:
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 2:
+            group = dist.new_group([0, 1, 2])
+            dist.barrier()  # ranks 0 and 1 wait in all_reduce on the group instead
+            return
+        group = dist.new_group([0, 1, 2])
+        dist.all_reduce(torch.ones(1), group=group)
+
+    with pytest.raises(RankTimeout) as info:
+        run(body, 3, "threaded", timeout=2)
+    err = info.value
+    assert err.collectives[0] == err.collectives[1] == "all_reduce on group (0,1,2) (call #2)"
+    assert err.collectives[2] == "barrier on the world (call #2)"
+    assert "dist.all_reduce(torch.ones(1), group=group)" in err.stacks[0]
+    assert "dist.barrier()" in err.stacks[2]
+    assert err.survivors == ()
+    assert "rank 0: blocked in all_reduce on group (0,1,2)" in str(err)
+
+
+def test_a_thread_stuck_in_c_code_is_reported_as_a_survivor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from meshsim.harness import threaded
+
+    monkeypatch.setattr(threaded, "JOIN_GRACE_S", 0.3)
+
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            time.sleep(3)  # C-level sleep: neither the abort nor an async exception reach it
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankTimeout) as info:
+        run(body, 2, "threaded", timeout=0.5)
+    assert info.value.survivors == (1,)
+    assert "rank 1 could not be stopped" in str(info.value)
+    with pytest.raises(MeshsimError, match="could not be stopped"):  # still asleep: refused
+        run(lambda: 7, 2, "threaded", timeout=0.2)
+    # A run with a longer timeout waits for the survivor (it wakes, is interrupted, exits).
+    assert run(lambda: 7, 2, "threaded", timeout=30) == [7, 7]
+
+
+def test_pure_python_hang_is_interrupted() -> None:
+    def body() -> None:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            while True:
+                pass
+
+    with pytest.raises(RankTimeout) as info:
+        run(body, 2, "threaded", timeout=1)
+    assert info.value.survivors == ()
+    assert "while True" in info.value.stacks[0]
+    assert [t.name for t in threading.enumerate() if t.name.startswith("meshsim-")] == []
