@@ -1,0 +1,316 @@
+"""The show, diff and verify verbs: config in, reference or live check out, exit code back."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from rich.table import Table
+
+from meshsim.cli import config_flags as cf
+from meshsim.cli import render
+from meshsim.cli.compare import (
+    DIFFERENT,
+    REORDERED,
+    SAME,
+    Comparison,
+    any_difference,
+    compare_kinds,
+    compare_roles,
+)
+from meshsim.errors import UsageError
+from meshsim.model.conventions import expect
+from meshsim.model.expected import Expected
+from meshsim.model.groups import format_groups
+
+
+def _config(args: argparse.Namespace, framework: str, world: int) -> dict[str, Any]:
+    return cf.config_for(framework, world, cf.native_settings(args), cf.shared_degrees(args))
+
+
+# -- show ---------------------------------------------------------------------------------------
+def show(args: argparse.Namespace) -> int:
+    expected = expect(
+        args.framework, args.world_size, **_config(args, args.framework, args.world_size)
+    )
+    rows = render.kind_rows(expected, args.gpus_per_node)
+    if args.kinds:
+        wanted = {expected.kind(k.strip()).name for k in args.kinds.split(",") if k.strip()}
+        rows = [r for r in rows if r.name in wanted]
+    out = render.console(stderr=args.json)
+    if args.svg or args.png:
+        from meshsim.cli import picture
+
+        title = (
+            f"{expected.framework} · world {expected.world_size} · "
+            f"{render.config_text(expected.config, short=True)}"
+        ).rstrip(" ·")
+        if args.gpus_per_node:
+            title += f" · {args.gpus_per_node} GPUs per node"
+        footer = [
+            f"unavailable {name}: {' '.join(str(err).split())}"
+            for name, err in expected.unavailable().items()
+        ]
+        page = picture.scene(
+            title,
+            rows,
+            expected.world_size,
+            columns=args.columns,
+            gpus_per_node=args.gpus_per_node,
+            footer=footer,
+        )
+        for path, write in ((args.svg, picture.write_svg), (args.png, picture.write_png)):
+            if path:
+                write(page, path)
+                out.print(f"wrote {path} ({len(page.panels)} panels)")
+    if args.json:
+        render.print_json(render.show_json(expected, rows, args.gpus_per_node))
+        return 0
+    render.show(
+        out,
+        expected,
+        rows,
+        first=args.first,
+        grid=not args.no_grid,
+        columns=args.columns,
+        gpus_per_node=args.gpus_per_node,
+    )
+    return 0
+
+
+# -- diff ---------------------------------------------------------------------------------------
+def diff(args: argparse.Namespace) -> int:
+    world = args.world_size
+    (fa, only_a), (fb, only_b) = cf.split_spec(args.a), cf.split_spec(args.b)
+    degrees = cf.shared_degrees(args)
+    common: dict[str, Any] = {}
+    for key, value in cf.native_settings(args).items():
+        degree = cf.degree_of(fa, key) or cf.degree_of(fb, key)
+        if degree is not None:
+            degrees.setdefault(degree, value)
+        elif key in cf.parameters(fa) or key in cf.parameters(fb):
+            common[key] = value
+        else:
+            raise UsageError(f"neither {fa} nor {fb} takes config key {key!r}")
+    sides = []
+    for framework, spec, sets, order in (
+        (fa, only_a, args.a_set, args.a_order),
+        (fb, only_b, args.b_set, args.b_order),
+    ):
+        params = cf.parameters(framework)
+        config = cf.translate(framework, world, degrees) if degrees else {}
+        config.update({k: v for k, v in common.items() if k in params})
+        config.update(spec)
+        config.update(dict(cf.parse_setting(s, framework) for s in sets))
+        if order is not None:
+            config["order"] = order
+        sides.append(expect(framework, world, **config))
+    a, b = sides
+    roles = compare_roles(a, b)
+    kinds = compare_kinds(a, b) if a.framework == b.framework else []
+    differ = any_difference(roles) or any_difference(kinds)
+    if args.json:
+        render.print_json(
+            {
+                "world_size": world,
+                "a": {"framework": a.framework, "config": dict(a.config)},
+                "b": {"framework": b.framework, "config": dict(b.config)},
+                "roles": [c.to_json() for c in roles],
+                "kinds": [c.to_json() for c in kinds],
+                "differ": differ,
+            }
+        )
+        return 1 if differ else 0
+    out = render.console()
+    out.print(f"[bold]A[/bold] {a.framework} {render.config_text(a.config)}")
+    out.print(f"[bold]B[/bold] {b.framework} {render.config_text(b.config)}")
+    changed = [k for k in {**a.config, **b.config} if a.config.get(k) != b.config.get(k)]
+    if a.framework == b.framework:
+        out.print(f"world_size={world}; configs differ in: {', '.join(changed) or 'nothing'}")
+    else:
+        out.print(f"world_size={world}")
+    out.print(_comparison_table("role", roles))
+    if kinds:
+        changed = [c for c in kinds if c.verdict != SAME]
+        same = [c.name for c in kinds if c.verdict == SAME]
+        if changed:
+            out.print(_comparison_table("kind", changed))
+        if same:
+            out.print(f"[dim]kinds identical in A and B: {', '.join(same)}[/dim]")
+    shared = [c for c in roles + kinds if c.shape_a is not None]
+    count = sum(c.verdict in (DIFFERENT, REORDERED) for c in shared)
+    what = "roles and kinds" if kinds else "roles"
+    if differ:
+        out.print(f"[red]{count} of {len(shared)} shared {what} put different ranks together")
+    else:
+        out.print(f"[green]A and B put the same ranks together for all {len(shared)} shared {what}")
+    return 1 if differ else 0
+
+
+def _comparison_table(what: str, comparisons: list[Comparison]) -> Table:
+    table = Table(header_style="bold")
+    by_kind = what == "kind"  # kinds compare by name: A's and B's kind are the row's name
+    titles = (what, "verdict", "ranks differing", "example")
+    if not by_kind:
+        titles = (what, "A kind", "B kind", *titles[1:])
+    for title in titles:
+        table.add_column(title, no_wrap=title in (what, "verdict"))
+    for c in comparisons:
+        colour = {SAME: "green", DIFFERENT: "red", REORDERED: "yellow"}.get(c.verdict, "dim")
+        example = ""
+        if c.example is not None:
+            rank, ga, gb = c.example
+            example = f"rank {rank}: A {_group(ga)} vs B {_group(gb)}"
+        elif c.shape_a and c.verdict == SAME:
+            example = format_groups(c.sample, 2, c.shape_a[0])
+        cells = [
+            f"[{colour}]{c.verdict}[/]",
+            str(c.ranks) if c.verdict in (DIFFERENT, REORDERED) else "",
+            example,
+        ]
+        kinds = [] if by_kind else [c.kind_a or "–", c.kind_b or "–"]
+        table.add_row(c.name, *kinds, *cells)
+    return table
+
+
+def _group(group: tuple[int, ...] | None) -> str:
+    return "none" if group is None else format_groups([group])[1:-1]
+
+
+# -- verify -------------------------------------------------------------------------------------
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) inside a torchrun job, else None.
+
+    Same test as the harness (RANK, WORLD_SIZE and MASTER_ADDR set), which then runs the
+    gloo/nccl tiers on the job's own processes instead of spawning ranks.
+    """
+    if all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def verify(args: argparse.Namespace) -> int:
+    launched = torchrun_env()
+    world = args.world_size
+    if launched is not None:
+        if world is not None and world != launched[1]:
+            raise UsageError(
+                f"--world-size {world} differs from torchrun's WORLD_SIZE {launched[1]}"
+            )
+        world = launched[1]
+    if world is None:
+        raise UsageError("verify needs --world-size (or a torchrun launch that sets WORLD_SIZE)")
+    config = _config(args, args.framework, world)
+    expected = expect(args.framework, world, **config)  # bad config: exit 2 before any rank runs
+    verify_fn = _verify_api()
+    try:
+        result = verify_fn(
+            args.framework, world, args.backend, real=args.real, timeout=args.timeout, **config
+        )
+    except ModuleNotFoundError as exc:
+        raise UsageError(_missing_framework(args.framework, exc)) from None
+    quiet = launched is not None and launched[0] != 0
+    out = render.console(stderr=args.json, quiet=quiet)
+    if args.json:
+        if not quiet:
+            render.print_json(result_json(result))
+        return 0 if result.passed else 1
+    print_result(out, result, expected)
+    return 0 if result.passed else 1
+
+
+def _verify_api() -> Any:
+    try:
+        from meshsim import verify as module
+    except ModuleNotFoundError as exc:
+        if exc.name in ("meshsim.verify", "meshsim.harness"):
+            raise UsageError("this meshsim build has no meshsim.verify yet") from None
+        raise UsageError(f"verify needs {exc.name}: pip install meshsim") from None
+    return module.verify
+
+
+def _missing_framework(framework: str, exc: ModuleNotFoundError) -> str:
+    from meshsim.builders.real import install_hint
+
+    return f"--real needs {framework} installed ({exc.name} is missing); {install_hint(framework)}"
+
+
+def kinds_checked(result: Any) -> list[str]:
+    checked = getattr(result, "kinds_checked", ()) or ()
+    return list(checked.keys() if isinstance(checked, Mapping) else checked)
+
+
+def print_result(out: Any, result: Any, expected: Expected) -> None:
+    mode = "real framework" if result.real else "meshsim's builder"
+    out.print(
+        f"[bold]{result.framework}[/bold] world_size={result.world_size} "
+        f"{render.config_text(expected.config)} on {result.backend} ({mode}), "
+        f"{result.seconds:.2f} s"
+    )
+    if result.error:
+        out.print("[red]error[/red]: ", end="")
+        out.print(str(result.error), markup=False)
+    if result.diff is not None:
+        out.print("[red]MISMATCH[/red]")
+        out.print(str(result.diff), markup=False)
+    table = Table(header_style="bold")
+    for title in ("kind", "#groups", "size", "matches reference", "proven by all-gather"):
+        table.add_column(title, no_wrap=True)
+    bad = {m.kind for m in getattr(result.diff, "mismatches", ())}
+    unproven = {m.kind for m in getattr(result.diff, "mismatches", ()) if m.aspect == "proof"}
+    for kind in kinds_checked(result):
+        ref = expected.kind(kind)
+        groups = ref.groups() if ref.available else None
+        ok = kind not in bad and not result.error
+        if groups is None:  # the framework raises for this kind, and the build did too
+            matches, proof = ("yes (raises)" if ok else "no"), "–"
+        else:
+            matches = "yes" if ok else "no"
+            proof = (
+                "no (fake)"
+                if result.backend == "fake"
+                else "no"
+                if kind in unproven
+                else ("yes" if ok else "–")
+            )
+        table.add_row(
+            kind,
+            str(len(groups)) if groups is not None else "–",
+            str(groups.group_size) if groups is not None else "–",
+            f"[green]{matches}[/green]" if ok else f"[red]{matches}[/red]",
+            proof,
+        )
+    out.print(table)
+    if result.backend == "fake":
+        out.print(
+            "[dim]fake backend: groups are built and compared, not communicated over; "
+            "--backend gloo proves each one by an all-gather[/dim]"
+        )
+    verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
+    rejected = getattr(result, "rejected", None)
+    what = (
+        f"both reject the config ({rejected})"
+        if rejected
+        else (f"{len(kinds_checked(result))} kinds checked")
+    )
+    out.print(f"{verdict}: {what}")
+
+
+def result_json(result: Any) -> dict[str, Any]:
+    return {
+        "framework": result.framework,
+        "world_size": result.world_size,
+        "config": dict(result.config),
+        "backend": result.backend,
+        "real": result.real,
+        "passed": result.passed,
+        "seconds": result.seconds,
+        "kinds_checked": kinds_checked(result),
+        "error": None if result.error is None else str(result.error),
+        "diff": None if result.diff is None else str(result.diff),
+    }
+
+
+__all__ = ["diff", "show", "verify"]

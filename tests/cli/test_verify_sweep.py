@@ -1,0 +1,191 @@
+"""``meshsim verify`` and ``meshsim sweep``: live checks end to end, pass and fail paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import meshsim
+from meshsim.checks import GroupView, Observation, diff
+from meshsim.cli import sweep as sweeping
+from meshsim.cli.main import main
+from meshsim.model.sweep import LayoutCase
+from tests.cli.helpers import ROOT, assert_bad_input, json_of, run_cli
+
+verify_module = pytest.importorskip("meshsim.verify", reason="meshsim.verify not built yet")
+VerifyResult = verify_module.VerifyResult
+
+
+def test_verify_fake_passes_with_a_table() -> None:
+    result = run_cli("verify", "megatron", "-n", "8", "--tp", "2", "--pp", "2", "--backend", "fake")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "PASS: 16 kinds checked" in out
+    row = next(line for line in out.splitlines() if line.startswith("│ tp "))
+    assert [c.strip() for c in row.strip("│").split("│")] == ["tp", "4", "2", "yes", "no (fake)"]
+
+
+def test_verify_gloo_proves_groups_by_all_gather() -> None:
+    result = run_cli("verify", "olmo-core", "-n", "4", "--dp", "fsdp", "--cp", "2", "--json")
+    data = json_of(result)
+    assert result.returncode == 0 and data["passed"] is True
+    assert data["backend"] == "gloo"  # verify's default tier communicates
+    assert "get_dp_model_mesh" in data["kinds_checked"]
+    out = run_cli("verify", "torch", "-n", "2", "--tp", "2").stdout
+    row = next(line for line in out.splitlines() if line.startswith("│ tp "))
+    assert row.rstrip("│ ").endswith("yes")
+
+
+def test_verify_real_without_the_framework_names_the_extra(tmp_path: Path) -> None:
+    # sitecustomize marks megatron as not installed (find_spec -> None, import fails)
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['megatron'] = None\n")
+    result = run_cli(
+        "verify",
+        "megatron",
+        "-n",
+        "2",
+        "--real",
+        "--backend",
+        "fake",
+        env={"PYTHONPATH": f"{tmp_path}:{ROOT}"},
+    )
+    assert_bad_input(result, "pip install 'meshsim[megatron]'")
+
+
+def _wrong_observations(expected: meshsim.Expected) -> list[Observation]:
+    """What ranks would see if tp groups were strided instead of consecutive."""
+    observations = []
+    for rank in range(expected.world_size):
+        members = tuple(r for r in range(expected.world_size) if r % 4 == rank % 4)
+        view = GroupView("tp", members, members.index(rank))
+        observations.append(Observation(rank, expected.world_size, "gloo", {"tp": view}))
+    return observations
+
+
+def test_verify_mismatch_prints_the_diff_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = meshsim.expect("megatron", 8, tensor_model_parallel_size=2)
+    mismatch = diff(_wrong_observations(expected), expected, ["tp"])
+    assert mismatch is not None
+
+    def fake_verify(framework: str, world: int, backend: str, **kw: Any) -> Any:
+        return VerifyResult(framework, world, {}, backend, False, mismatch, ("tp",), 0.1, None)
+
+    monkeypatch.setattr(verify_module, "verify", fake_verify)
+    assert main(["verify", "megatron", "-n", "8", "--tp", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "tp: rank 1 holds (1, 5); expected (0, 1)" in out
+    assert "FAIL" in out
+
+
+def test_sweep_fake_json_and_junit(tmp_path: Path) -> None:
+    report, junit = tmp_path / "sweep.json", tmp_path / "junit.xml"
+    # 43 olmo-core layouts: two chunks, verified side by side in 2 worker processes
+    result = run_cli(
+        "sweep",
+        "-n",
+        "4",
+        "--framework",
+        "olmo-core",
+        "-j",
+        "2",
+        "--json",
+        str(report),
+        "--junit-xml",
+        str(junit),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sweep on fake" in result.stdout
+    data = json.loads(report.read_text())
+    cases = meshsim.layouts(4, "olmo-core")
+    assert len(cases) > verify_module.FAKE_BATCH
+    assert [r["id"] for r in data["results"]] == [c.id for c in cases]  # input order kept
+    assert data["failed"] == 0 and all(r["tiers"]["fake"]["passed"] for r in data["results"])
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None and suite.get("tests") == str(len(cases))
+    assert suite.get("failures") == "0"
+    names = [case.get("name") for case in suite.iter("testcase")]
+    assert names == [c.id for c in cases]
+
+
+def test_sweep_cross_check_runs_every_tier() -> None:
+    result = run_cli("sweep", "-n", "2", "--framework", "torch", "--cross-check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sweep on fake, threaded, gloo" in result.stdout
+    total = next(line for line in result.stdout.splitlines() if "total" in line)
+    assert [c.strip() for c in total.strip("│").split("│")][1:5] == ["4", "4", "0", "0"]
+
+
+def _result(case: LayoutCase, tier: str, mismatch: Any = None) -> Any:
+    return VerifyResult(
+        case.framework, case.world_size, case.config, tier, False, mismatch, ("tp",), 0.01, None
+    )
+
+
+def test_sweep_fails_when_tiers_disagree(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = meshsim.expect("megatron", 8, tensor_model_parallel_size=2)
+    mismatch = diff(_wrong_observations(expected), expected, ["tp"])
+    cases = meshsim.layouts(8, "megatron")[:3]
+
+    def results(cases_: Any, tier: str, timeout: float, jobs: int) -> Iterator[tuple[int, Any]]:
+        for i, case in enumerate(cases_):
+            broken = tier == "threaded" and i == 1  # one tier sees another group on one layout
+            yield i, _result(case, tier, mismatch if broken else None)
+
+    monkeypatch.setattr(sweeping, "collect_cases", lambda *a: cases)
+    monkeypatch.setattr(sweeping, "results", results)
+    junit = tmp_path / "j.xml"
+    assert main(["sweep", "-n", "8", "--cross-check", "--junit-xml", str(junit)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {cases[1].id}" in out and "tiers observed different groups" in out
+    failures = ET.parse(junit).getroot().iter("failure")
+    assert [f.get("message", "").startswith("tiers observed") for f in failures] == [True]
+
+
+def test_outcome_agreement_ignores_result_order() -> None:
+    case = LayoutCase("torch", 2, {})
+    outcome = sweeping.Outcome(case, {t: _result(case, t) for t in sweeping.TIERS})
+    assert outcome.passed and outcome.agree
+
+
+def test_verify_under_torchrun_runs_on_the_job_ranks_and_prints_once() -> None:
+    pytest.importorskip("torch.distributed.run")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "meshsim",
+        "verify",
+        "megatron",
+        "--tp",
+        "2",
+        "--backend",
+        "gloo",
+    ]
+    result = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("PASS: 16 kinds checked") == 1  # rank 0 only
+    assert "megatron world_size=2" in result.stdout
