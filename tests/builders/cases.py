@@ -7,9 +7,15 @@ from typing import Any
 Case = tuple[str, int, dict[str, Any]]
 
 
+def _text(value: Any) -> str:
+    """Stable text for an id: functions by name (their repr holds an address)."""
+    return getattr(value, "__name__", None) or str(value) if callable(value) else str(value)
+
+
 def _ids(cases: list[Case]) -> list[str]:
     return [
-        f"{fw}-{world}-" + ",".join(f"{k}={v}" for k, v in cfg.items()) for fw, world, cfg in cases
+        f"{fw}-{world}-" + ",".join(f"{k}={_text(v)}" for k, v in cfg.items())
+        for fw, world, cfg in cases
     ]
 
 
