@@ -18,9 +18,51 @@ from meshsim.harness.outcome import body_name
 
 def dumps(obj: Any) -> bytes:
     """dill with ``recurse=True``: only the globals a function uses travel with it."""
-    import dill
+    import io
 
-    return dill.dumps(obj, recurse=True)
+    buffer = io.BytesIO()
+    _pickler_class()(buffer, recurse=True).dump(obj)
+    return buffer.getvalue()
+
+
+_PICKLER: type | None = None
+
+
+def _pickler_class() -> type:
+    """A dill Pickler that sends importable modules by name.
+
+    dill pickles every module outside the standard library and site-packages *by value*, with
+    its whole ``__dict__`` (it assumes such a module is the user's script). That drags in
+    thread locals, locks and open files: a body that merely mentions ``meshsim`` (an editable
+    install) or a project module could not be sent. Modules the worker can import are sent by
+    name instead; ``__main__`` and unimportable modules keep dill's by-value behaviour.
+    """
+    global _PICKLER
+    if _PICKLER is None:
+        import sys
+
+        import dill
+
+        def save_module(pickler: Any, module: types.ModuleType) -> None:
+            name = module.__name__
+            importable = sys.modules.get(name) is module and getattr(module, "__spec__", None)
+            if name != "__main__" and importable:
+                pickler.save_reduce(_import_module, (name,), obj=module)
+            else:
+                dill._dill.save_module(pickler, module)
+
+        class ModulesByName(dill.Pickler):  # type: ignore[misc]
+            dispatch = dill.Pickler.dispatch.copy()
+
+        ModulesByName.dispatch[types.ModuleType] = save_module
+        _PICKLER = ModulesByName
+    return _PICKLER
+
+
+def _import_module(name: str) -> types.ModuleType:
+    import importlib
+
+    return importlib.import_module(name)
 
 
 def loads(data: bytes) -> Any:
