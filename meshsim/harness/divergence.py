@@ -194,6 +194,14 @@ class Comparison:
             )
         return None
 
+    def group_creations(self) -> list[Call]:
+        """The first rank's world-synchronised creations (every rank's, when none diverged)."""
+        return [call for _, call in self._ref]
+
+    def calls_by_rank(self) -> dict[int, list[Call]]:
+        """Each rank's collectives and member-only creations, in order."""
+        return {rank: [call for _, call in self.calls[rank]] for rank in self.order}
+
     def divergence(self, outcomes: Sequence[RankOutcome]) -> CollectiveDivergence | None:
         """The earliest divergence as an exception, or ``None`` when all ranks agree."""
         candidates = self._group_divergences()

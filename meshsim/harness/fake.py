@@ -62,7 +62,13 @@ class FakeBackend:
         divergence = comparison.divergence(outcomes)
         if divergence is not None:
             raise divergence
-        return RunResult(outcomes, backend=self.name, world_size=job.world_size)
+        return RunResult(
+            outcomes,
+            backend=self.name,
+            world_size=job.world_size,
+            group_creations=comparison.group_creations(),
+            calls=comparison.calls_by_rank(),
+        )
 
 
 def _run_rank(job: Job, rank: int, sink: RankSink) -> RankOutcome:

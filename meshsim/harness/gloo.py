@@ -67,9 +67,10 @@ class ProcessBackend:
             )
         try:
             workers = pool.acquire(job.world_size)
-            job_dir = rendezvous.make_dir("job")
             ranks = [_Rank(r, w) for r, w in enumerate(workers)]
+            job_dir = None
             try:
+                job_dir = rendezvous.make_dir("job")
                 return self._supervise(job, ranks, job_dir, payload)
             finally:
                 clean = [r.worker for r in ranks if r.done and not r.problems]
@@ -87,8 +88,8 @@ class ProcessBackend:
         env = dict(os.environ)
         for r in ranks:
             r.worker.mark_log()
-            r.worker.send(
-                "job",
+            self._send_job(
+                r,
                 {
                     "rank": r.rank,
                     "world_size": job.world_size,
@@ -144,6 +145,12 @@ class ProcessBackend:
         return RunResult(
             outcomes, backend=self.name, world_size=job.world_size, teardown_failures=teardown
         )
+
+    def _send_job(self, r: _Rank, spec: dict[str, Any]) -> None:
+        try:
+            r.worker.send("job", spec)
+        except OSError:  # the worker died while idle: report it like any death
+            r.death = r.worker.describe_death()
 
     def _receive(self, r: _Rank) -> bool:
         """Handle one message (or EOF) from ``r``; True when it signals a failure."""
@@ -212,7 +219,16 @@ class ProcessBackend:
         teardown = None
         if r.death is not None:
             teardown = f"{r.death}; last output: {_tail(r.worker.output(), 3).strip()}"
-        return RankOutcome(r.rank, value=pickling.loads(res["value"]), teardown=teardown)
+        try:
+            value = pickling.loads(res["value"])
+        except Exception as exc:
+            return RankOutcome(
+                r.rank,
+                status="error",
+                error_type=type(exc).__qualname__,
+                error_message=f"the caller could not unpickle rank {r.rank}'s return value: {exc}",
+            )
+        return RankOutcome(r.rank, value=value, teardown=teardown)
 
 
 class GlooBackend(ProcessBackend):

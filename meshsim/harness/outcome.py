@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import traceback as _tb
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -66,7 +66,9 @@ class RunResult(list, Generic[T]):  # type: ignore[type-arg]
     A plain ``list`` for callers, plus what happened around the values: ``outcomes`` (every
     rank's ``RankOutcome``), ``teardown_failures`` (ranks whose process died in teardown
     after their value arrived; see ``TeardownWarning``), ``backend``, ``world_size`` and
-    ``ranks``.
+    ``ranks``. On the fake tier also the recording: ``group_creations`` (the
+    world-synchronised group creations, the same on every rank) and ``calls`` (rank ->
+    its collectives and member-only group creations, as ``recorder.Call`` objects).
     """
 
     def __init__(
@@ -76,6 +78,8 @@ class RunResult(list, Generic[T]):  # type: ignore[type-arg]
         backend: str,
         world_size: int,
         teardown_failures: Sequence[RankOutcome] = (),
+        group_creations: Sequence[Any] = (),
+        calls: Mapping[int, Sequence[Any]] | None = None,
     ) -> None:
         super().__init__(o.value for o in outcomes)
         self.outcomes: tuple[RankOutcome, ...] = tuple(outcomes)
@@ -83,6 +87,8 @@ class RunResult(list, Generic[T]):  # type: ignore[type-arg]
         self.backend = backend
         self.world_size = world_size
         self.teardown_failures: tuple[RankOutcome, ...] = tuple(teardown_failures)
+        self.group_creations: tuple[Any, ...] = tuple(group_creations)
+        self.calls: dict[int, tuple[Any, ...]] = {r: tuple(c) for r, c in (calls or {}).items()}
 
 
 def signal_name(signum: int) -> str:

@@ -73,7 +73,7 @@ class Worker:
         """The next message; ``EOFError`` once the worker is gone."""
         try:
             return pickle.loads(self.conn.recv_bytes())
-        except OSError as exc:
+        except (OSError, pickle.UnpicklingError) as exc:  # a dying worker's torn message
             raise EOFError(str(exc)) from exc
 
     def mark_log(self) -> None:

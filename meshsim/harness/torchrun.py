@@ -6,10 +6,16 @@ and always run locally. Every rank's outcome is gathered with ``all_gather_objec
 ranks return the same list or raise the same ``RankFailure``. A hang cannot be killed from
 inside the job: a faulthandler watchdog dumps every thread's stack and exits the process at
 the deadline, which makes torchrun tear the job down.
+
+When no default group exists yet, the first run initialises it from ``env://`` and keeps it
+for later runs, destroying it at interpreter exit: re-initialising ``env://`` on the same
+``MASTER_PORT`` in one process races with the previous store (a rank can read its peer's
+stale gloo address and fail with "Connection refused").
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import sys
@@ -24,6 +30,13 @@ from meshsim.harness.outcome import RankOutcome, RunResult, exception_fields, fa
 
 #: Seconds past the timeout before the watchdog kills a hung rank (the gather needs time).
 WATCHDOG_SLACK_S = 30.0
+
+
+def _destroy(group: Any) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
 
 
 def detected() -> bool:
@@ -43,14 +56,13 @@ def run_in_place(job: Job) -> RunResult[Any]:
             f"{env_world}; the job's processes are the ranks, so pass world_size={env_world} "
             "(or use backend='fake'/'threaded' to simulate another size in this process)"
         )
-    created = False
     if not dist.is_initialized():
         if job.backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             job.backend, init_method="env://", timeout=timedelta(seconds=job.timeout)
         )
-        created = True
+        atexit.register(_destroy, dist.group.WORLD)
     rank = dist.get_rank()
     device = "cpu"
     if dist.get_backend() == "nccl":
@@ -70,8 +82,6 @@ def run_in_place(job: Job) -> RunResult[Any]:
         dist.all_gather_object(gathered, mine)
     finally:
         faulthandler.cancel_dump_traceback_later()
-        if created:
-            dist.destroy_process_group()
     outcomes = []
     for r, res in enumerate(gathered):
         if res["status"] == "ok":

@@ -34,7 +34,8 @@ def test_script_body_referencing_project_modules_runs_on_gloo(tmp_path: Path) ->
             from torch.distributed.device_mesh import init_device_mesh
 
             def body():
-                mesh = init_device_mesh("cpu", (2, my_project.degree()), mesh_dim_names=("dp", "tp"))
+                shape = (2, my_project.degree())
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
                 return meshsim.observe(mesh)
 
             observed = meshsim.run(body, world_size=4, backend="gloo", timeout=60)

@@ -36,6 +36,30 @@ def test_values_are_per_rank_and_groups_are_right() -> None:
     assert all(o.ok for o in out.outcomes)
 
 
+def test_the_recording_is_returned() -> None:
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dist.all_reduce(torch.ones(1), group=mesh.get_group("tp"))
+        dist.barrier()
+
+    out = run(body, 4, "fake")
+    created = [(c.op, c.group, c.detail) for c in out.group_creations]
+    assert created == [
+        ("new_group", (0, 2), "desc='mesh_dp'"),
+        ("new_group", (1, 3), "desc='mesh_dp'"),
+        ("new_group", (0, 1), "desc='mesh_tp'"),
+        ("new_group", (2, 3), "desc='mesh_tp'"),
+    ]
+    assert [c.describe() for c in out.calls[3]] == [
+        "all_reduce on group (2,3)",
+        "barrier on the world",
+    ]
+
+
 def test_sampled_ranks_of_a_huge_world() -> None:
     def body() -> tuple:
         import torch.distributed as dist

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
     except RankFailure as e:
         res["failure"] = str(e).splitlines()[1]
     res["fake"] = list(run(lambda: dist.get_world_size(), 3, "fake"))  # still simulated
-    res["initialized_after"] = dist.is_initialized()
+    res["kept_for_later_runs"] = dist.is_initialized()
     print("RESULT", json.dumps(res))
     """
 )
@@ -99,7 +99,7 @@ def test_run_inside_a_launched_job_uses_the_job(tmp_path: Path) -> None:
         "values": [[0, 0, 3.0], [1, 1, 3.0]],
         "failure": "rank 1: ValueError: rank one is broken",
         "fake": [3, 3, 3],
-        "initialized_after": False,
+        "kept_for_later_runs": True,
     }
 
 
