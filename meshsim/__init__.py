@@ -20,7 +20,7 @@ from meshsim.errors import (
     TeardownWarning,
     UsageError,
 )
-from meshsim.harness import RankContext, RankOutcome, context, run, shutdown
+from meshsim.harness import RankContext, RankOutcome, RunResult, context, run, shutdown
 from meshsim.model import (
     CONVENTIONS,
     ROLES,
@@ -55,6 +55,7 @@ __all__ = [
     "RankFailure",
     "RankOutcome",
     "RankTimeout",
+    "RunResult",
     "TeardownWarning",
     "UsageError",
     "assert_layout",

@@ -85,7 +85,7 @@ def _check_ranks(ranks: Sequence[int] | None, world_size: int, backend: str) -> 
     picked = tuple(ranks)
     if not picked:
         raise UsageError("ranks= is empty; give at least one rank, or omit it for all ranks")
-    bad = [r for r in picked if isinstance(r, bool) or not isinstance(r, int)]
+    bad: list[object] = [r for r in picked if isinstance(r, bool) or not isinstance(r, int)]
     bad += [r for r in picked if isinstance(r, int) and not 0 <= r < world_size]
     if bad:
         raise UsageError(f"ranks= must hold ranks in [0, {world_size}), got {bad[:5]!r}")

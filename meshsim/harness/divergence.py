@@ -160,7 +160,7 @@ class Comparison:
             if group is None:
                 members = list(self.order)
             else:
-                members = sorted((r for r in set(group) if r in sampled), key=position.get)
+                members = sorted((r for r in set(group) if r in sampled), key=position.__getitem__)
             if len(members) < 2:
                 continue
             ref_rank = members[0]

@@ -51,7 +51,7 @@ class FakeBackend:
                     reset_rank_state()
         finally:
             recorder.uninstall()
-        info = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
         if outcomes and outcomes[-1].status == "timeout":
             skipped = len(job.ranks) - len(outcomes)
             note = f"(the fake tier runs ranks in turn; {skipped} later rank(s) were not run)"

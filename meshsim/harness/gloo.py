@@ -126,7 +126,7 @@ class ProcessBackend:
         stopped = self._stop([r for r in ranks if not r.finished], job_dir)
         self._forward_output(ranks)
         outcomes = [self._outcome(r, stopped.get(r.rank), status) for r in ranks]
-        info = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
         if timed_out:
             raise timeout_error(outcomes, timeout=job.timeout, **info)
         failure = failure_error(outcomes, **info)

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 # The swap is process-global: in-process runs (fake, threaded) take turns.
 _in_process_lock = threading.Lock()
@@ -66,16 +67,17 @@ def isolated_world(timeout: float, *, what: str) -> Iterator[None]:
     saved_autograd_mt = torch._C._is_multithreading_enabled()
     saved_hook = sys.excepthook
     saved_rank = c10d.get_rank() if c10d.is_initialized() else -1
+    ext: Any = torch._C._distributed_c10d  # private bindings, not in torch's stubs
     _active.inside = True
     try:
         c10d._world = _IsolatedWorld()
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        ext._set_thread_isolation_mode(True)
         yield
     finally:
         _active.inside = False
         c10d._world = saved_world
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        torch._C._distributed_c10d._set_global_rank(saved_rank)
+        ext._set_thread_isolation_mode(False)
+        ext._set_global_rank(saved_rank)
         sys.excepthook = saved_hook
         # The threaded PG turns autograd multithreading off process-wide; turn it back.
         torch.autograd.set_multithreading_enabled(saved_autograd_mt)
@@ -99,7 +101,7 @@ def reset_rank_state() -> None:
         resources.mesh_stack.clear()
     random_mod = sys.modules.get("torch.distributed.tensor._random")
     if random_mod is not None and getattr(random_mod, "_rng_tracker", None) is not None:
-        random_mod._rng_tracker = None
+        random_mod._rng_tracker = None  # type: ignore[attr-defined]
 
 
 def leftovers() -> list[str]:

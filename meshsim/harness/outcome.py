@@ -121,7 +121,7 @@ def _trim(te: _tb.TracebackException) -> None:
             _trim(chained)
 
 
-def exception_fields(exc: BaseException) -> dict[str, str]:
+def exception_fields(exc: BaseException) -> dict[str, Any]:
     """Type name, message and formatted traceback of ``exc`` as plain strings.
 
     The type name is the class's ``__qualname__`` (``AssertionError``, ``Skipped``); the

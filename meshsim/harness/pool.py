@@ -121,6 +121,7 @@ class Worker:
 class Pool:
     def __init__(self) -> None:
         self.pid = os.getpid()
+        rendezvous.sweep_stale()
         self.dir = rendezvous.make_dir("pool")
         self.idle: list[Worker] = []
         self.booting: list[Worker] = []

@@ -140,7 +140,7 @@ def group_ranks(group: Any) -> tuple[int, ...] | None:
     if group is None:
         return None
     if isinstance(group, str):
-        group = c10d._resolve_process_group(group)
+        group = c10d._resolve_process_group(group)  # type: ignore[arg-type]
     elif isinstance(group, tuple) and len(group) == 2 and hasattr(group[0], "get_group"):
         group = group[0].get_group(group[1])
     elif hasattr(group, "get_group") and hasattr(group, "mesh"):
@@ -208,7 +208,7 @@ def _wrap(kind: str, op: str, original: Callable[..., Any]) -> Callable[..., Any
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sink = _current_sink()
-        if sink is None or getattr(_tls, "depth", 0):
+        if sink is None or getattr(_tls, "depth", False):
             return original(*args, **kwargs)
         call = _describe(kind, op, sig, args, kwargs)
         _tls.depth = 1

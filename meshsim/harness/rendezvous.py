@@ -46,6 +46,34 @@ def leftover_dirs(pid: int | None = None) -> list[str]:
     return sorted(os.path.join(base, n) for n in names if n.startswith(start))
 
 
+def sweep_stale() -> list[str]:
+    """Remove temp dirs left by meshsim processes that no longer exist (killed hard, no atexit).
+
+    A dir whose pid is alive is kept, even if that pid now belongs to another program.
+    """
+    base = tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "meshsim" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        remove_dir(os.path.join(base, name))
+        removed.append(name)
+    return removed
+
+
 def file_store_path(job_dir: str) -> str:
     """Where the job's ``FileStore`` lives."""
     return os.path.join(job_dir, "store")

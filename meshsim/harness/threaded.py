@@ -215,7 +215,7 @@ class ThreadedBackend:
         finally:
             recorder.uninstall()
         outcomes = [r.outcome or RankOutcome(r.rank, status="aborted") for r in run.ranks]
-        info = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
         if timed_out:
             raise timeout_error(outcomes, timeout=job.timeout, survivors=survivors, **info)
         failure = failure_error(outcomes, **info)

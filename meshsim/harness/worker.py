@@ -50,13 +50,33 @@ def _children() -> list[int]:
     return pids
 
 
+_WATCHED_MODULES = (
+    "torch.distributed",
+    "torch.distributed.distributed_c10d",
+    "torch.distributed.device_mesh",
+    "torch.distributed._functional_collectives",
+)
+
+
+def _torch_bindings() -> dict[tuple[str, str], int]:
+    """Identity of every function of the torch.distributed modules a body might monkeypatch."""
+    found: dict[tuple[str, str], int] = {}
+    for name in _WATCHED_MODULES:
+        module = sys.modules.get(name)
+        for attr, value in vars(module).items() if module is not None else ():
+            if callable(value) and not isinstance(value, type):
+                found[(name, attr)] = id(value)
+    return found
+
+
 class Worker:
     def __init__(self, fd: int) -> None:
         from multiprocess.connection import Connection
 
         self.conn = Connection(fd)
         self.devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the worker
-        self.baseline_threads: set[int] = set()
+        self.baseline_threads: set[int | None] = set()
+        self.baseline_torch: dict[tuple[str, str], int] = {}
 
     def send(self, *msg: Any) -> None:
         self.conn.send_bytes(pickle.dumps(msg))
@@ -77,6 +97,7 @@ class Worker:
         torch.set_num_threads(1)  # N ranks share the machine's cores, as under torchrun
         recorder.install()
         self.baseline_threads = {t.ident for t in threading.enumerate()}
+        self.baseline_torch = _torch_bindings()
         self.send("ready", os.getpid())
 
     def serve(self) -> None:
@@ -208,9 +229,15 @@ class Worker:
         extra = [t for t in threading.enumerate() if t.ident not in self.baseline_threads]
         for t in extra:
             t.join(0.2)
-        extra = [t.name for t in extra if t.is_alive()]
-        if extra:
-            problems.append(f"the body left threads running: {extra[:8]}")
+        names = [t.name for t in extra if t.is_alive()]
+        if names:
+            problems.append(f"the body left threads running: {names[:8]}")
+        now = _torch_bindings()
+        replaced = sorted(
+            f"{m}.{a}" for (m, a), v in self.baseline_torch.items() if now.get((m, a)) != v
+        )
+        if replaced:
+            problems.append(f"the body replaced torch functions: {replaced[:8]}")
         children = _children()
         if children:
             problems.append(f"the body left child processes: {children[:8]}")

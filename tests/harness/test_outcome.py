@@ -57,3 +57,24 @@ def test_failure_message_merges_and_orders() -> None:
     ]
     assert "--- traceback of rank 2 ---" in text and "--- traceback of rank 3 ---" not in text
     assert "Fatal Python error" in text
+
+
+def test_stale_dirs_of_dead_processes_are_swept(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from meshsim.harness import rendezvous
+
+    monkeypatch.setattr(rendezvous.tempfile, "gettempdir", lambda: str(tmp_path))
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (tmp_path / f"meshsim-{dead}-job-abc").mkdir()
+    mine = rendezvous.make_dir("job")
+    (tmp_path / "unrelated").mkdir()
+    assert rendezvous.sweep_stale() == [f"meshsim-{dead}-job-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["unrelated", mine.rsplit("/")[-1]])
+    rendezvous.remove_dir(mine)

@@ -193,6 +193,17 @@ def test_worker_with_leaked_state_is_recycled() -> None:
     second = run(leak_env, 2, "gloo", timeout=60)
     again = run(pid, 2, "gloo", timeout=120)
     assert second[1] not in again and "MESHSIM_TEST_LEAK" not in os.environ
+    third = run(leak_patch, 2, "gloo", timeout=60)
+    last = run(pid, 2, "gloo", timeout=120)
+    assert third[0] not in last and third[1] in last  # only the patched worker is replaced
+
+
+def leak_patch() -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce = lambda *args, **kwargs: None  # a monkeypatch nobody undoes
+    return os.getpid()
 
 
 def test_env_of_the_caller_reaches_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
