@@ -50,6 +50,9 @@ class VerifyResult:
     seconds: float
     error: str | None
     rejected: str | None = field(default=None)
+    #: Every rank's observation (None when no rank built its groups): what ``--cross-check``
+    #: compares between tiers, group by group.
+    observations: tuple[Observation, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -253,7 +256,11 @@ def _judge(
     checked = tuple(name for name in observed.names() if name in known)
     if not checked:
         return done(error=f"the builder observed no kind the reference knows: {observed.names()}")
-    return done(diff=diff(observed, reference, checked), kinds_checked=checked)
+    return done(
+        diff=diff(observed, reference, checked),
+        kinds_checked=checked,
+        observations=tuple(observed),
+    )
 
 
 def _judge_failure(failure: BuildFailure, reference: Expected | LayoutError) -> dict[str, Any]:
