@@ -1,0 +1,82 @@
+"""Hook for real-framework adapters: build groups with the framework's own code, not meshsim's.
+
+An adapter module ``meshsim.builders.real.<name>`` provides ``build(world_size, config) ->
+Observation`` like a builder, but calls the framework (``olmo_core.distributed.parallel
+.build_world_mesh``, ``megatron.core.parallel_state.initialize_model_parallel``, ...) and observes
+what it made. ``meshsim.verify(..., real=True)`` uses it, after checking (without importing
+them) that the adapter and the framework's packages are installed, so a missing framework is a
+usage error naming the pip extra instead of a crash inside every rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
+#: framework -> adapter module (``verify(real=True)`` checks that it exists).
+REAL_BUILDERS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "olmo-core": "meshsim.builders.real.olmo_core",
+        "torchtitan": "meshsim.builders.real.torchtitan",
+        "megatron": "meshsim.builders.real.megatron",
+        "megatron-deepspeed": "meshsim.builders.real.megatron_deepspeed",
+        "deepspeed": "meshsim.builders.real.deepspeed",
+    }
+)
+
+#: framework -> the ``meshsim[...]`` extra that installs it (see pyproject.toml).
+EXTRAS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "olmo-core": "olmo-core",
+        "torchtitan": "torchtitan",
+        "megatron": "megatron",
+        "megatron-deepspeed": "deepspeed",
+        "deepspeed": "deepspeed",
+    }
+)
+
+
+#: framework -> top-level packages the real framework needs importable.
+REQUIRES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "olmo-core": ("olmo_core",),
+        "torchtitan": ("torchtitan",),
+        "megatron": ("megatron",),
+        "megatron-deepspeed": ("megatron", "deepspeed"),
+        "deepspeed": ("deepspeed",),
+    }
+)
+
+
+def unavailable(framework: str) -> str | None:
+    """Why ``verify(real=True)`` cannot run ``framework`` here (None when it can).
+
+    Looks modules up with ``find_spec`` only: nothing is imported, torch included.
+    """
+    module = REAL_BUILDERS.get(framework)
+    if module is None or importlib.util.find_spec(module) is None:
+        return (
+            f"real=True needs meshsim's adapter for the real {framework} code "
+            f"({module or 'none registered'}), which this install lacks; {install_hint(framework)}"
+        )
+    missing = [p for p in REQUIRES.get(framework, ()) if importlib.util.find_spec(p) is None]
+    if missing:
+        return f"real=True runs {framework} itself, and {missing} is not installed; " + (
+            install_hint(framework)
+        )
+    return None
+
+
+def install_hint(framework: str) -> str:
+    """How to get the real framework: ``pip install 'meshsim[olmo-core]'`` and the like."""
+    if framework == "torch":
+        return "torch's DeviceMesh is already what the torch builder runs; use real=False"
+    extra = EXTRAS.get(framework)
+    if extra is None:
+        return f"meshsim has no real-framework support for {framework!r}"
+    hint = f"install the framework with: pip install 'meshsim[{extra}]'"
+    if framework == "megatron-deepspeed":
+        hint += " plus a Megatron-DeepSpeed checkout on PYTHONPATH (it is not on PyPI)"
+    return hint

@@ -1,0 +1,80 @@
+"""Real torchtitan adapter: ``ParallelDims(...).build_mesh()`` and ``get_mesh`` of each axis.
+
+``build(world_size, config)`` turns meshsim's torchtitan config into torchtitan's own
+``ParallelDims(dp_replicate=..., dp_shard=..., cp=..., tp=..., pp=..., ep=..., world_size=...,
+spmd_backend=...)``, builds its meshes and asks ``get_mesh(axis)`` for every single-axis name
+``build_mesh`` registered (``pp``, ``batch``, ``loss``, ``dp_replicate``, ``cp``, ``tp``, ``ep``,
+``efsdp`` and ``dp``/``dp_shard`` or ``fsdp``). An axis ``get_mesh`` refuses (torchtitan backs it
+with the ``fake`` backend) is recorded as absent; the reference names those kinds unavailable.
+Only the code torchtitan 0.3.0 ships is modelled here: ``version="current"``; the reference's
+``intermediate`` / ``legacy`` / ``hyper_parallel`` versions are older or forked code this package
+does not contain, so asking for them raises :class:`~meshsim.errors.UsageError`.
+Tested with torchtitan 0.3.0 (``pip install 'meshsim[torchtitan]'``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from meshsim.builders._common import Entry, collect
+from meshsim.builders.real import _shims
+from meshsim.builders.real._adapter import check_keys, framework_refusals
+from meshsim.checks import Observation
+from meshsim.errors import UsageError
+
+#: meshsim config key -> ``ParallelDims`` field, with torchtitan's defaults.
+FIELDS: Mapping[str, tuple[str, int]] = {
+    "dp_replicate": ("dp_replicate", 1),
+    "dp_shard": ("dp_shard", -1),
+    "cp": ("cp", 1),
+    "tp": ("tp", 1),
+    "pp": ("pp", 1),
+    "ep": ("ep", 1),
+}
+
+
+def parallel_dims(world_size: int, config: Mapping[str, Any]) -> Any:
+    """torchtitan's ``ParallelDims`` for a meshsim config (validated by torchtitan itself)."""
+    check_keys("torchtitan", config)
+    (module,) = _shims.load("torchtitan.distributed.parallel_dims")
+    version = config.get("version", "current")
+    if version != "current":
+        raise UsageError(
+            f"the real torchtitan adapter runs the installed torchtitan, whose ParallelDims is "
+            f"the 'current' multi-view convention; version={version!r} is modelled by meshsim's "
+            "reference only (use real=False)"
+        )
+    if config.get("etp", 1) != 1:
+        raise UsageError(
+            f"torchtitan's current ParallelDims has no expert tensor parallel degree; got "
+            f"etp={config['etp']}"
+        )
+    kwargs = {field: config.get(key, default) for key, (field, default) in FIELDS.items()}
+    if config.get("spmd_backend") is not None:
+        kwargs["spmd_backend"] = config["spmd_backend"]
+    with framework_refusals():
+        return module.ParallelDims(**kwargs, world_size=world_size)
+
+
+def build(world_size: int, config: Mapping[str, Any]) -> Observation:
+    """Build torchtitan's meshes for ``config`` on this rank; observe ``get_mesh`` of each axis.
+
+    Example (world 8): ``{"dp_shard": 4, "tp": 2, "ep": 2}`` gives ``ep`` groups equal to the
+    ``tp`` groups, ``(0, 1)``, ``(2, 3)``, ... (ep is the innermost axis of the sparse view).
+    """
+    _shims.register_fake_backend()
+    dims = parallel_dims(world_size, config)
+    with (
+        _shims.unchanged_environ(),
+        _shims.torchtitan_device(_shims.device_type()),
+        framework_refusals(),
+    ):
+        dims.build_mesh()
+    entries: dict[str, Entry] = {}
+    for axis in dims._single_axis_meshes:
+        try:
+            entries[axis] = dims.get_mesh(axis)
+        except ValueError as error:  # "Mesh '<axis>' is not available ..."
+            entries[axis] = error
+    return collect(entries)

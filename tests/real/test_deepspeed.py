@@ -1,0 +1,168 @@
+"""DeepSpeed's own ``PipelineParallelGrid``, tied ``PipelineModule`` and MoE groups, on gloo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshsim import expect, layouts
+from meshsim.checks import diff
+from meshsim.harness import run
+from tests.real._helpers import (
+    TIMEOUT,
+    assert_matches,
+    assert_refused_alike,
+    case_id,
+    environment_changes,
+    require,
+)
+
+pytestmark = [require("deepspeed", "deepspeed"), pytest.mark.requires_framework("deepspeed")]
+
+BEFORE = "use_data_before_expert_parallel_"
+WORLD_4: list[dict[str, Any]] = [
+    {},  # the grid's default: pipe 2 x data 2
+    {"num_pp": 2, "num_dp": 2},
+    {"num_pp": 2, "num_mp": 2},
+    {"num_pp": 4, "num_mp": 1},
+    {"num_mp": 2, "num_dp": 2, "ep": 2},
+    {"num_mp": 1, "num_dp": 4, "ep": 2, BEFORE: True},
+    {"num_mp": 1, "num_dp": 4, "ep": 4},
+    {"axes": ["x", "y"], "dims": [2, 2]},
+]
+WORLD_8: list[dict[str, Any]] = [
+    {},  # pipe 4 x data 2
+    {"num_pp": 2, "num_mp": 2, "num_dp": 2},
+    {"num_pp": 4, "num_mp": 2, "num_dp": 1},
+    {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2},
+    {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2, BEFORE: True},
+    {"num_pp": 1, "num_mp": 2, "num_dp": 4, "ep": 4},
+    {"axes": ["pipe", "data", "model"], "dims": [2, 4, 1]},
+    {"axes": ["x", "y"], "dims": [2, 4], "ep": 2},
+]
+REFUSED: list[tuple[int, dict[str, Any]]] = [
+    (8, {"num_pp": 3}),  # AssertionError "Invalid Grid"
+    (4, {"num_pp": 2, "num_mp": 2, "num_dp": 2}),  # 8 ranks' topology on 4
+    (4, {"axes": ["x", "x"], "dims": [2, 2]}),  # ValueError: namedtuple fields repeat
+]
+
+
+@pytest.mark.parametrize("config", WORLD_4, ids=case_id)
+def test_world_4_matches_reference(config: dict[str, Any]) -> None:
+    assert_matches("deepspeed", 4, config, unobserved=["p2p"])
+
+
+@pytest.mark.parametrize("config", WORLD_8, ids=case_id)
+def test_world_8_matches_reference(config: dict[str, Any]) -> None:
+    assert_matches("deepspeed", 8, config, unobserved=["p2p"])
+
+
+@pytest.mark.parametrize(("world", "config"), REFUSED, ids=case_id)
+def test_refusals_match_reference(world: int, config: dict[str, Any]) -> None:
+    assert_refused_alike("deepspeed", world, config)
+
+
+def test_moe_example_world_8() -> None:
+    """E + D on DeepSpeed itself (mp 2, dp 4, ep 2): experts stride by tp inside each DP group."""
+    rank0 = assert_matches("deepspeed", 8, {"num_mp": 2, "num_dp": 4, "ep": 2}, unobserved=["p2p"])[
+        0
+    ]
+    assert rank0.groups["expert"].members == (0, 2)
+    assert rank0.groups["expert_data"].members == (0, 4)
+
+
+def _p2p(world: int, config: dict[str, Any]) -> list[tuple[int, ...]]:
+    from meshsim.builders.real import deepspeed
+
+    return deepspeed.p2p_groups(world, config)
+
+
+@pytest.mark.parametrize("config", [{}, {"num_pp": 2, "num_mp": 2, "num_dp": 2}], ids=case_id)
+def test_p2p_pairs_match_reference(config: dict[str, Any]) -> None:
+    """``grid.p2p_groups`` ([rank, next stage], wrapping) equals the reference's ``p2p`` kind."""
+    pairs = run(_p2p, 8, backend="gloo", timeout=TIMEOUT, args=(8, config))[0]
+    assert list(expect("deepspeed", 8, **config).groups("p2p").to_tuples()) == pairs
+
+
+def test_extra_axis_builds_grid_groups_without_tied_module() -> None:
+    """With a raw ("pipe", "data", "seq") topology the adapter skips the tied PipelineModule:
+    ``_index_tied_modules`` only loops over data and model coordinates, so ranks of different
+    ``seq`` coordinates would create different groups and deadlock."""
+    config = {"axes": ["pipe", "data", "seq"], "dims": [2, 2, 2]}
+    assert_matches("deepspeed", 8, config, unobserved=["p2p", "embedding"])
+
+
+def _default_moe_path(world: int, config: dict[str, Any]) -> Any:
+    """``MoE(..., enable_expert_tensor_parallelism=False)`` (DeepSpeed's default): the layer
+    calls ``groups._create_expert_and_data_parallel(ep)`` even when an mpu has tp > 1."""
+    import importlib
+
+    from meshsim.builders._common import collect
+    from meshsim.builders.real import _shims, deepspeed
+
+    _shims.load(*deepspeed._MODULES)
+    topology = importlib.import_module("deepspeed.runtime.pipe.topology")
+    with (
+        _shims.unchanged_environ(),
+        _shims.deepspeed_comm(),
+        _shims.deepspeed_clean_moe_state() as groups,
+    ):
+        grid = topology.PipelineParallelGrid(topology=deepspeed.topology(world, config))
+        groups.mpu = grid
+        groups._create_expert_and_data_parallel(config["ep"])
+        name = f"ep_size_{config['ep']}"
+        return collect(
+            {
+                "expert": groups._get_expert_parallel_group(name),
+                "expert_data": groups._get_expert_data_parallel_group(name),
+            }
+        )
+
+
+def test_default_moe_path_ignores_tensor_parallelism() -> None:
+    """Documented divergence (deepspeed 0.19.8): the reference's expert kinds are the
+    expert-tensor-parallel path (``_get_expert_parallel_ranks``); a MoE layer built with the
+    default ``enable_expert_tensor_parallelism=False`` takes consecutive ranks instead, so with
+    tp 2 its EP groups are the tensor-parallel pairs. With tp 1 both paths agree."""
+    config = {"num_mp": 2, "num_dp": 4, "ep": 2}
+    observed = run(_default_moe_path, 8, backend="gloo", timeout=TIMEOUT, args=(8, config))
+    assert [o.groups["expert"].members for o in observed[:4]] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert observed[0].groups["expert_data"].members == (0, 2, 4, 6)
+    assert diff(list(observed), expect("deepspeed", 8, **config)) is not None
+    no_tp = {"num_mp": 1, "num_dp": 8, "ep": 2}
+    observed = run(_default_moe_path, 8, backend="gloo", timeout=TIMEOUT, args=(8, no_tp))
+    assert diff(list(observed), expect("deepspeed", 8, **no_tp)) is None
+
+
+def test_build_leaves_environment_unchanged() -> None:
+    """Keeps harness workers warm: a worker whose environment changed is replaced."""
+    assert environment_changes("deepspeed", 4, {"num_pp": 2, "num_mp": 2, "ep": 1}) == []
+
+
+def _comm_backend_state() -> tuple[bool, bool]:
+    import importlib
+
+    from meshsim.builders.real import _shims
+
+    _shims.load("deepspeed.comm.comm", "deepspeed.comm.torch")
+    with _shims.deepspeed_comm() as ds_comm:
+        without_shm_op = ds_comm.cdb.shm_comm_op is None and ds_comm.is_initialized()
+    return without_shm_op, importlib.import_module("deepspeed.comm.comm").cdb is None
+
+
+def test_comm_backend_skips_the_shm_op_and_is_reset() -> None:
+    """``deepspeed.comm`` works on the harness's group without compiling the shm op."""
+    assert run(_comm_backend_state, 2, backend="gloo", timeout=TIMEOUT) == [(True, True)] * 2
+
+
+def test_moe_groups_are_rebuilt_per_build() -> None:
+    """Same ep, different topologies, one warm world: the MoE group cache is cleared."""
+    assert_matches("deepspeed", 4, {"num_mp": 2, "num_dp": 2, "ep": 2}, unobserved=["p2p"])
+    assert_matches("deepspeed", 4, {"num_mp": 1, "num_dp": 4, "ep": 2}, unobserved=["p2p"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", layouts(4, "deepspeed") + layouts(8, "deepspeed"), ids=case_id)
+def test_every_config_matches_reference(case: Any) -> None:
+    assert_matches("deepspeed", case.world_size, case.config, unobserved=["p2p"])
