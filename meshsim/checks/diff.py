@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from meshsim.checks.observation import Observation, ObservedLayout
 from meshsim.errors import UsageError
+from meshsim.harness.outcome import rank_label
 from meshsim.model.expected import Expected
 from meshsim.model.groups import Group
 
@@ -65,18 +66,8 @@ class MeshDiff:
 
 
 def format_ranks(ranks: Sequence[int]) -> str:
-    """``rank 3`` or ``ranks 0-3, 8, 10-11``."""
-    ordered = sorted(set(ranks))
-    spans: list[str] = []
-    start = prev = ordered[0]
-    for r in [*ordered[1:], None]:  # type: ignore[list-item]
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        spans.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
+    """``rank 3`` or ``ranks 0-3, 8, 10, 11``: the harness's wording for rank sets."""
+    return rank_label(ranks)
 
 
 def _fmt(group: Group | None) -> str:

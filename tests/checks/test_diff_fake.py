@@ -94,4 +94,4 @@ def test_observe_rejects_unnamed_mesh_and_uninitialised_pg() -> None:
 
 def test_format_ranks() -> None:
     assert format_ranks([3]) == "rank 3"
-    assert format_ranks([0, 1, 2, 3, 8, 10, 11]) == "ranks 0-3, 8, 10-11"
+    assert format_ranks([0, 1, 2, 3, 8, 10, 11]) == "ranks 0-3, 8, 10, 11"
