@@ -238,6 +238,14 @@ def _judge(
         seconds = build_seconds + time.perf_counter() - start
         return _result(args, backend, seconds=seconds, **fields)
 
+    if failures and observations and isinstance(reference, LayoutError):
+        # Some frameworks fail only on the ranks a bad config leaves out (OLMo's HSDP split that
+        # covers part of the world builds on the ranks inside it): a rejection all the same, as
+        # long as every failing rank raised what the reference says the framework raises.
+        verdicts = [_judge_failure(f, reference) for f in failures]
+        if all("rejected" in v for v in verdicts):
+            who = sorted(f.rank for f in failures)
+            return done(rejected=f"{verdicts[0]['rejected']} (on ranks {who}; the others built)")
     if failures and observations:
         who = sorted(f.rank for f in failures)
         return done(

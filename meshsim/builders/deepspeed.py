@@ -3,8 +3,11 @@
 A ``ProcessTopology(axes, dims)`` (last axis fastest) is ``init_device_mesh(dims, axes)``: each
 axis's communicator lists are that dim's groups, DeepSpeed's model-parallel group is the
 ``_flatten`` of every non-data axis, tied-embedding groups are ``new_group`` s over the first and
-last stage of torch's pipe groups, and the MoE expert / expert-data groups are the two halves of
-an ``_unflatten`` of the dense data-parallel dim (E + D: experts inner; D + E: experts outer).
+last stage of torch's pipe groups (none when another axis of size > 1 would deadlock
+``PipelineModule``), and the MoE expert / expert-data groups are the two halves of an
+``_unflatten`` of a data-parallel dim (E + D: experts inner; D + E: experts outer): the dense
+one strided by tp for ``enable_expert_tensor_parallelism=True`` with a grid, or every rank of a
+pipeline stage, tp ignored, for DeepSpeed's default path.
 """
 
 from __future__ import annotations
@@ -86,18 +89,32 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         replica = [a for a in axes if a != "data"]
         entries["model_parallel"] = flatten(root, replica, "model_parallel")
         pp = dims[axes.index("pipe")]
-        if pp > 1:
+        others = [a for a, d in zip(axes, dims) if a not in ("pipe", "data", "model") and d > 1]
+        if pp > 1 and others:  # PipelineModule would deadlock: no tied group exists
+            entries["embedding"] = FrameworkRejection(f"tied groups deadlock with axes {others}")
+        elif pp > 1:
             entries["embedding"] = new_groups([[g[0], g[-1]] for g in all_groups(root, ["pipe"])])
     if config.get("ep") is not None:
-        tp = dims[axes.index("model")] if "model" in axes else 1
-        pp = dims[axes.index("pipe")] if "pipe" in axes else 1
+        ep = degree(config, "ep")
         before = bool(config.get("use_data_before_expert_parallel_", False))
-        entries.update(_expert_groups(world_size, tp, degree(config, "ep"), pp, before))
+        if grid and config.get("enable_expert_tensor_parallelism", False):
+            tp = dims[axes.index("model")] if "model" in axes else 1
+            pp = dims[axes.index("pipe")]
+            data = dims[axes.index("data")]
+            require(data % ep == 0, f"{data} is not divisible by {ep}")
+            entries.update(_expert_groups(world_size, tp, ep, pp, before))
+        else:  # _create_expert_and_data_parallel: the mpu's pp (none without a grid), tp ignored
+            pp = dims[axes.index("pipe")] if grid else 1
+            require((world_size // pp) % ep == 0, f"{world_size // pp} is not divisible by {ep}")
+            entries.update(_expert_groups(world_size, 1, ep, pp, before))
     return collect(entries)
 
 
 def _expert_groups(world_size: int, tp: int, ep: int, pp: int, before: bool) -> dict[str, Entry]:
-    """``_get_expert_parallel_ranks``: DP groups stride by tp inside a stage; EP takes chunks."""
+    """``_get_expert_parallel_ranks``: DP groups stride by tp inside a stage; EP takes chunks.
+
+    With tp 1 this is also ``_create_expert_and_data_parallel`` (a stage's ranks, consecutive).
+    """
     require(world_size % (tp * pp) == 0, f"world {world_size} not divisible by tp*pp {tp * pp}")
     dp = world_size // (tp * pp)
     require(dp % ep == 0, f"data parallel size {dp} not divisible by expert parallel size {ep}")

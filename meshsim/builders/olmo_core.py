@@ -10,6 +10,7 @@ reference agrees that it raises.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -84,6 +85,7 @@ def build_world_mesh(world_size: int, config: Mapping[str, Any]) -> DeviceMesh:
         if degree is not None:
             names.append(name)
             dims.append(degree)
+    _check_mesh_covers_world(world_size, names, dims)
     world = mesh(dims, names)
     get_dp_process_group(world)  # OLMo creates the DP group eagerly
     return world
@@ -104,14 +106,36 @@ def _replicate_and_shard(dp_world: int, config: Mapping[str, Any]) -> tuple[int,
         shard = dp_world // replicas
     elif replicas is None:
         replicas = dp_world // shard
-    if replicas * shard != dp_world:
-        # OLMo passes this to init_device_mesh, which refuses a mesh bigger than the world and
-        # leaves ranks out of a smaller one; meshsim refuses both.
+    return replicas, shard  # the product is not checked: see _check_mesh_covers_world
+
+
+def _check_mesh_covers_world(world_size: int, names: list[str], dims: list[int]) -> None:
+    """OLMo hands an HSDP split whose product is not the DP world to ``init_device_mesh``.
+
+    A size-0 dim fails in torch with ZeroDivisionError and a mesh bigger than the world with
+    RuntimeError, on every rank. A smaller mesh is built on ranks ``0..n-1``; the ranks outside it
+    then fail in ``get_dp_process_group``: IndexError in ``get_group`` when the DP mesh spans the
+    whole world mesh (other dims of size 1), RuntimeError slicing it otherwise. Every rank
+    refuses here with the type the ranks outside the mesh see, as the reference does.
+    """
+    size = math.prod(dims)
+    if size == world_size:
+        return
+    if size == 0:
+        raise FrameworkRejection("integer modulo by zero", upstream="ZeroDivisionError")
+    if size > world_size:
         raise FrameworkRejection(
-            f"HSDP split {replicas} x {shard} does not tile the DP world {dp_world}",
-            upstream="RuntimeError" if replicas * shard > dp_world or shard == 0 else None,
+            f"Mesh should not be bigger than default world size {world_size}, but found {size} "
+            "ranks!",
+            upstream="RuntimeError",
         )
-    return replicas, shard
+    dp_size = math.prod(d for n, d in zip(names, dims) if n.startswith("dp"))
+    whole = dp_size == size  # no pp/cp/tp dim of size > 1: the DP mesh is the world mesh
+    raise FrameworkRejection(
+        f"the world mesh {names} = {dims} leaves ranks {size}-{world_size - 1} out; they fail in "
+        "get_dp_process_group",
+        upstream="IndexError" if whole else "RuntimeError",
+    )
 
 
 def build_expert_parallel_mesh(world_size: int, degree: int) -> DeviceMesh:

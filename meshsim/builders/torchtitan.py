@@ -2,7 +2,9 @@
 
 * current / intermediate: a 1-D ``world`` mesh ``_unflatten``-ed into the dataloading, dense,
   sparse (and spmd_types fwd/bwd) views, ``loss`` = ``dataloading["batch", "cp"]._flatten``;
-  single axes are sliced from those live views as ``get_mesh`` does;
+  single axes are sliced from those live views as ``get_mesh`` does. The dense view is
+  ``(pp, dp_replicate, fsdp, tp)`` under partial_dtensor and ``(pp, dp_replicate, dp_shard, cp,
+  tp)`` under spmd_types and full_dtensor (current: all three, as torchtitan 0.3.0);
 * legacy: one root mesh over the dims of degree > 1 (dp_shard split for EP), then ``_flatten``
   of dp / dp_shard_cp / dp_cp / ep on it;
 * hyper_parallel: the seed's root mesh and its ``fsdp`` / ``dp`` / ``loss`` flatten aliases.
@@ -54,7 +56,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         expert = {"ep": d["ep"], "etp": d["etp"]}
     else:
         raise FrameworkRejection(f"unknown torchtitan version {version!r}", upstream=None)
-    return collect(_views(world_size, d, backend, expert))
+    return collect(_views(world_size, d, backend, expert, version))
 
 
 def _validate(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> dict[str, int]:
@@ -72,7 +74,7 @@ def _validate(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> dic
 
 
 def _views(
-    world_size: int, d: Mapping[str, int], backend: str, expert: Mapping[str, int]
+    world_size: int, d: Mapping[str, int], backend: str, expert: Mapping[str, int], version: str
 ) -> dict[str, Entry]:
     """The current/intermediate ``build_mesh``: unflatten one world mesh into every view."""
     world = mesh((world_size,), ("world",))
@@ -110,8 +112,12 @@ def _views(
     else:
         single["dp_shard"] = dense["dp_shard"]
 
-    def exists(axis: str) -> bool:  # torchtitan's _mesh_exist: which axes get a real backend
-        if axis == "fsdp" or (axis == "dp_shard" and backend == "spmd_types"):
+    # torchtitan's _mesh_exist: which axes get a real backend. dp_shard, the dense storage axis,
+    # stays real at size 1 under spmd_types, and in 0.3.0 (current) under full_dtensor too.
+    storage = ("spmd_types", "full_dtensor") if version == "current" else ("spmd_types",)
+
+    def exists(axis: str) -> bool:
+        if axis == "fsdp" or (axis == "dp_shard" and backend in storage):
             return True
         if axis == "efsdp":
             return ep > 1

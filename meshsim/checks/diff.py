@@ -128,7 +128,7 @@ def diff(
                         f"hold {_fmt(view.members)} but {expected.framework} raises: {ref.source}",
                     )
                 continue
-            want = ref.groups().group_of(obs.rank)
+            want = ref.group_of(obs.rank)
             if view is None:
                 if name in obs.absent:
                     if want is not None:

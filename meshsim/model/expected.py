@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, final
 
+import numpy as np
+
 from meshsim.errors import LayoutError
 from meshsim.model.groups import Group, Groups
 from meshsim.model.layout import Layout
@@ -52,7 +54,9 @@ class Kind:
     (so a million-rank world pays only for the kinds it queries), or the :class:`LayoutError`
     the framework raises when asked for this kind under this config.
     ``partition`` says whether the kind's groups cover every rank exactly once (embedding
-    groups and p2p pairs do not). ``mesh_dims``/``mesh_shape`` describe a multi-dim sub-mesh
+    groups and p2p pairs do not). ``keyed_by_first`` says each rank's own group is the one it
+    leads (DeepSpeed's ``[rank, next stage]`` pairs, where every rank also sits second in the
+    previous stage's pair). ``mesh_dims``/``mesh_shape`` describe a multi-dim sub-mesh
     whose flattened ranks make each group (OLMo-core's 2-D HSDP mesh, for instance).
     """
 
@@ -60,6 +64,7 @@ class Kind:
     description: str
     source: GroupSource
     partition: bool = True
+    keyed_by_first: bool = False
     mesh_dims: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     _cache: list[Groups] = field(default_factory=list, repr=False)
@@ -67,6 +72,14 @@ class Kind:
     @property
     def available(self) -> bool:
         return not isinstance(self.source, LayoutError)
+
+    def group_of(self, rank: int) -> Group | None:
+        """``rank``'s group of this kind: the first holding it, or the one it leads."""
+        groups = self.groups()
+        if not self.keyed_by_first:
+            return groups.group_of(rank)
+        rows = np.flatnonzero(groups.array[:, 0] == rank) if len(groups) else ()
+        return groups[int(rows[0])] if len(rows) else None
 
     def groups(self) -> Groups:
         if isinstance(self.source, LayoutError):
@@ -177,11 +190,12 @@ class Expected:
         """The group of ``kind`` holding ``rank`` (None when the rank is in none, e.g. a middle
         pipeline stage and the embedding group)."""
         self._check_rank(rank)
-        return self.groups(kind).group_of(rank)
+        return self.kind(kind).group_of(rank)
 
     def local_rank(self, rank: int, kind: str) -> int | None:
         self._check_rank(rank)
-        return self.groups(kind).local_rank(rank)
+        group = self.kind(kind).group_of(rank)
+        return None if group is None else group.index(rank)
 
     def pipeline_neighbors(self, rank: int) -> tuple[int, int]:
         """(previous, next) stage of ``rank`` in its pipeline group, wrapping around."""

@@ -70,6 +70,12 @@ TORCHTITAN: list[Case] = [
     ("torchtitan", 16, {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2}),
     ("torchtitan", 16, {"pp": 2, "dp_shard": 4, "tp": 2, "ep": 4}),
     ("torchtitan", 8, {"dp_replicate": 2, "cp": 2, "tp": 2, "spmd_backend": "partial_dtensor"}),
+    ("torchtitan", 4, {"tp": 4, "spmd_backend": "full_dtensor"}),  # dp_shard real at size 1
+    (
+        "torchtitan",
+        16,
+        {"pp": 2, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 4, "spmd_backend": "full_dtensor"},
+    ),
     ("torchtitan", 8, {"version": "intermediate", "dp_shard": 4, "tp": 2, "ep": 2, "etp": 2}),
     ("torchtitan", 8, {"version": "intermediate", "dp_shard": 4, "tp": 2, "ep": 4, "etp": 1}),
     ("torchtitan", 8, {"version": "legacy", "dp_shard": 4, "tp": 2, "ep": 4, "etp": 1}),
@@ -178,6 +184,22 @@ DEEPSPEED: list[Case] = [
     ("deepspeed", 8, {"num_pp": 2, "num_mp": 2, "num_dp": 2}),
     ("deepspeed", 16, {"num_pp": 2, "num_mp": 2, "ep": 2}),
     ("deepspeed", 16, {"num_mp": 2, "ep": 4, "use_data_before_expert_parallel_": True}),
+    (
+        "deepspeed",
+        16,
+        {"num_pp": 2, "num_mp": 2, "ep": 2, "enable_expert_tensor_parallelism": True},
+    ),
+    (
+        "deepspeed",
+        16,
+        {
+            "num_mp": 2,
+            "ep": 4,
+            "use_data_before_expert_parallel_": True,
+            "enable_expert_tensor_parallelism": True,
+        },
+    ),
+    ("deepspeed", 8, {"axes": ["pipe", "data", "seq"], "dims": [2, 2, 2]}),  # no tied group
     ("deepspeed", 8, {"num_pp": 4}),
     ("deepspeed", 8, {"axes": ["data", "pipe"], "dims": [2, 4]}),
     ("deepspeed", 8, {"axes": ["x", "y", "z"], "dims": [2, 2, 2], "ep": 2}),
@@ -200,6 +222,9 @@ REJECTED: list[Case] = [
     ("olmo-core", 8, {"dp": "hsdp", "num_replicas": 2, "ep": 2}),
     ("olmo-core", 8, {"dp": "ddp", "cp": 3}),
     ("olmo-core", 8, {"dp": "hsdp", "num_replicas": 3}),
+    ("olmo-core", 8, {"dp": "hsdp", "num_replicas": 2, "shard_degree": 2}),  # IndexError off-mesh
+    ("olmo-core", 8, {"dp": "hsdp", "num_nodes": 3, "cp": 2}),  # RuntimeError off-mesh
+    ("olmo-core", 4, {"dp": "hsdp", "num_nodes": 8}),  # shard degree 0: ZeroDivisionError
     ("torchtitan", 8, {"dp_shard": 3}),
     ("torchtitan", 8, {"dp_shard": 2, "tp": 2, "ep": 3}),
     ("torchtitan", 8, {"version": "legacy", "dp_shard": 2, "cp": 2, "tp": 2, "ep": 2, "etp": 1}),
@@ -236,6 +261,7 @@ REJECTED: list[Case] = [
     ),
     ("deepspeed", 8, {"num_pp": 2, "num_mp": 2, "num_dp": 4}),
     ("deepspeed", 8, {"num_pp": 2, "num_mp": 2, "ep": 3}),
+    ("deepspeed", 8, {"num_pp": 2, "num_mp": 2, "ep": 4, "enable_expert_tensor_parallelism": True}),
 ]
 REJECTED_IDS = _ids(REJECTED)
 

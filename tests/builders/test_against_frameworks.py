@@ -59,7 +59,13 @@ def test_deepspeed_builder_equals_topology_and_moe_ranks(
     world = 16
     experts, expert_data = groups._get_expert_parallel_ranks(world, tp, ep, pp, before)
     topo = topology.PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
-    config = {"num_pp": pp, "num_mp": tp, "ep": ep, "use_data_before_expert_parallel_": before}
+    config = {
+        "num_pp": pp,
+        "num_mp": tp,
+        "ep": ep,
+        "use_data_before_expert_parallel_": before,
+        "enable_expert_tensor_parallelism": True,  # the _get_expert_parallel_ranks path
+    }
     for rank in range(0, world, 3):
         obs = on_rank("deepspeed", world, config, rank)
         families = {"expert": experts, "expert_data": expert_data}

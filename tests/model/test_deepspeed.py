@@ -17,6 +17,7 @@ from meshsim.model.conventions.deepspeed import (
     PipeModelDataParallelTopology,
     ProcessTopology,
     default_topology,
+    expert_and_data_parallel_ranks,
     expert_parallel_ranks,
     prime_factors,
 )
@@ -49,6 +50,30 @@ def reference_expert_ranks(
         chunks = [row[i : i + ep] for i in range(0, dp, ep)]
         experts += chunks
         expert_data += [list(g) for g in zip(*chunks)]
+    return experts, expert_data
+
+
+def reference_default_ranks(
+    world: int, ep: int, pp: int, d_before_e: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``_create_expert_and_data_parallel(ep)`` (no mp_size) restated with its own loops."""
+    stage = world // pp
+    ep_stride = stage // ep
+    expert_data: list[list[int]] = []
+    for start in range(0, world, stage):
+        for i in range(ep):
+            if d_before_e:
+                expert_data.append(list(range(start + i * ep_stride, start + (i + 1) * ep_stride)))
+            else:
+                expert_data.append(list(range(start + i, start + stage, ep)))
+    if d_before_e:
+        experts = [
+            list(range(start + i, start + stage, ep_stride))
+            for start in range(0, world, stage)
+            for i in range(ep_stride)
+        ]
+    else:
+        experts = [list(range(i * ep, (i + 1) * ep)) for i in range(world // ep)]
     return experts, expert_data
 
 
@@ -236,6 +261,40 @@ def test_p2p_pairs_wrap_around_and_single_stage() -> None:
     assert "embedding" not in one.roles
 
 
+def test_p2p_row_r_is_rank_rs_own_pair() -> None:
+    """``grid.p2p_groups`` lists ``[rank, next stage]`` for rank 0, 1, ...; so does the kind."""
+    for world, config in (
+        (8, {}),
+        (8, {"num_pp": 2, "num_mp": 2, "num_dp": 2}),
+        (6, {"num_pp": 3}),
+    ):
+        exp = expect(world, **config)
+        pairs = exp.groups("p2p")
+        for rank in range(world):
+            previous, following = exp.pipeline_neighbors(rank)
+            assert pairs[rank] == (rank, following)
+            assert (previous, rank) in pairs.to_tuples()
+
+
+def test_p2p_group_of_is_the_ranks_own_pair() -> None:
+    exp = expect(8, num_pp=4, num_dp=2)
+    assert [exp.group_of(r, "p2p") for r in range(8)] == [exp.groups("p2p")[r] for r in range(8)]
+
+
+def test_tied_embedding_groups_deadlock_with_another_axis() -> None:
+    """``PipelineModule._index_tied_modules`` loops over data and model coordinates only."""
+    exp = expect(8, axes=["pipe", "data", "seq"], dims=[2, 2, 2])
+    error = exp.unavailable()["embedding"]
+    assert error.upstream is None
+    assert "deadlock" in str(error) and "{'seq': 2}" in str(error)
+    assert "embedding" not in exp.roles
+    assert exp.groups("seq") == Groups([(0, 1), (2, 3), (4, 5), (6, 7)])
+    # a size-1 extra axis leaves every rank at coordinate 0 there: the ranks agree
+    ones = expect(8, axes=["pipe", "data", "seq"], dims=[2, 4, 1])
+    assert ones.groups("embedding") == expect(8, num_pp=2, num_dp=4).groups("embedding")
+    assert "embedding" not in expect(8, axes=["pipe", "data", "seq"], dims=[1, 4, 2]).kinds()
+
+
 def test_pipe_data_topology_has_singleton_slices() -> None:
     exp = expect(8, num_pp=2, num_dp=4)
     assert exp.config["axes"] == ("pipe", "data")
@@ -270,9 +329,27 @@ def test_raw_topology() -> None:
         ({"ep": 0}, None, "ep must be an integer >= 1"),
         ({"mesh_shape": (8,)}, None, "takes no config key"),
         (
-            {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 4},
+            {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 4, "enable_expert_tensor_parallelism": 1},
+            None,
+            "enable_expert_tensor_parallelism must be a bool, got 1",
+        ),
+        (
+            {
+                "num_pp": 2,
+                "num_mp": 2,
+                "num_dp": 2,
+                "ep": 4,
+                "enable_expert_tensor_parallelism": True,
+            },
             "AssertionError",
-            "data-parallel size 2 .* is not divisible by expert parallel size 4",
+            "2 is not divisible by 4: _create_expert_data_and_model_parallel needs the grid's "
+            "data-parallel size",
+        ),
+        (
+            {"num_pp": 4, "num_mp": 1, "num_dp": 2, "ep": 4},
+            "AssertionError",
+            r"2 is not divisible by 4: _create_expert_and_data_parallel needs the ranks of one "
+            r"pipeline stage \(world 8 / pp 4\)",
         ),
     ],
 )
@@ -336,10 +413,11 @@ def test_expert_groups_docstring_example() -> None:
         [5, 13],
         [7, 15],
     ]
-    exp = expect(16, num_mp=2, ep=4)
+    exp = expect(16, num_mp=2, ep=4, enable_expert_tensor_parallelism=True)
     assert exp.groups("expert") == experts
     assert exp.groups("expert_data") == expert_data
     assert exp.kind_of("expert") == "expert" and exp.kind_of("expert_data") == "expert_data"
+    assert exp.config["enable_expert_tensor_parallelism"] is True
 
 
 def test_data_before_expert_layout() -> None:
@@ -358,13 +436,95 @@ def test_data_before_expert_layout() -> None:
 
 
 def test_expert_groups_respect_pipeline_stages() -> None:
-    exp = expect(16, num_pp=2, num_mp=2, num_dp=4, ep=2)
+    exp = expect(16, num_pp=2, num_mp=2, num_dp=4, ep=2, enable_expert_tensor_parallelism=True)
     assert exp.groups("expert") == Groups(
         [(0, 2), (4, 6), (1, 3), (5, 7), (8, 10), (12, 14), (9, 11), (13, 15)]
     )
     assert exp.groups("expert_data") == Groups(
         [(0, 4), (2, 6), (1, 5), (3, 7), (8, 12), (10, 14), (9, 13), (11, 15)]
     )
+
+
+def test_default_moe_path_ignores_tensor_parallelism() -> None:
+    """``MoE(enable_expert_tensor_parallelism=False)`` (DeepSpeed's default), even with the grid
+    as mpu: ``_create_expert_and_data_parallel(ep)`` deals each stage's ranks consecutively."""
+    exp = expect(8, num_pp=1, num_mp=2, num_dp=4, ep=2)
+    assert exp.config["enable_expert_tensor_parallelism"] is False
+    assert exp.groups("expert").array.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert exp.groups("expert_data").array.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert exp.groups("expert") == exp.groups("model")  # the EP groups are the TP pairs
+    tensor = expect(8, num_pp=1, num_mp=2, num_dp=4, ep=2, enable_expert_tensor_parallelism=True)
+    assert tensor.groups("expert").array.tolist() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert tensor.groups("expert_data").array.tolist() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+
+
+def test_default_moe_path_respects_pipeline_stages_and_d_before_e() -> None:
+    exp = expect(16, num_pp=2, num_mp=2, num_dp=4, ep=4)
+    quads = [tuple(range(i, i + 4)) for i in range(0, 16, 4)]
+    assert exp.groups("expert") == Groups(quads)
+    assert exp.groups("expert_data") == Groups([(i, i + 4) for i in (0, 1, 2, 3, 8, 9, 10, 11)])
+    before = expect(16, num_pp=2, num_mp=2, num_dp=4, ep=4, use_data_before_expert_parallel_=True)
+    assert before.groups("expert") == Groups([tuple(range(i, i + 8, 2)) for i in (0, 1, 8, 9)])
+    assert before.groups("expert_data") == Groups(
+        [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13), (14, 15)]
+    )
+
+
+@given(topologies(), st.data())
+def test_default_moe_path_matches_the_loops(
+    case: tuple[int, int, int, int], data: st.DataObject
+) -> None:
+    world, pp, mp, dp = case
+    ep = data.draw(st.sampled_from(divisors(world // pp)))
+    before = data.draw(st.booleans())
+    experts, expert_data = expert_and_data_parallel_ranks(world, ep, pp, before)
+    ref_experts, ref_expert_data = reference_default_ranks(world, ep, pp, before)
+    assert experts == Groups(ref_experts) and expert_data == Groups(ref_expert_data)
+    assert experts.is_partition_of(world) and expert_data.is_partition_of(world)
+    exp = expect(
+        world, num_pp=pp, num_mp=mp, num_dp=dp, ep=ep, use_data_before_expert_parallel_=before
+    )
+    assert exp.groups("expert") == experts and exp.groups("expert_data") == expert_data
+
+
+@given(topologies(), st.data())
+def test_moe_paths_agree_without_tensor_parallelism(
+    case: tuple[int, int, int, int], data: st.DataObject
+) -> None:
+    world, pp, mp, dp = case
+    world //= mp  # the same pipe and data axes without a model axis
+    ep = data.draw(st.sampled_from(divisors(dp)))
+    before = data.draw(st.booleans())
+    config = {"num_pp": pp, "num_mp": 1, "num_dp": dp, "ep": ep}
+    default = expect(world, **config, use_data_before_expert_parallel_=before)
+    tensor = expect(
+        world,
+        **config,
+        use_data_before_expert_parallel_=before,
+        enable_expert_tensor_parallelism=True,
+    )
+    for kind in ("expert", "expert_data"):
+        assert default.groups(kind) == tensor.groups(kind), kind
+
+
+def test_moe_without_a_grid_takes_the_default_path() -> None:
+    """No pipe and data axes: no grid, no mpu, so the flag changes nothing and pp is 1."""
+    for flag in (False, True):
+        exp = expect(
+            8, axes=["pipe", "model"], dims=[2, 4], ep=2, enable_expert_tensor_parallelism=flag
+        )
+        assert exp.groups("expert").array.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert exp.groups("expert_data").array.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_expert_tensor_path_checks_the_grid_data_size() -> None:
+    """``_create_expert_data_and_model_parallel`` asserts the mpu's data-parallel size is
+    divisible by ep; with an extra axis that is smaller than world / (tp * pp)."""
+    config = {"axes": ["pipe", "data", "seq"], "dims": [1, 2, 4], "ep": 4}
+    with pytest.raises(LayoutError, match=r"^2 is not divisible by 4") as info:
+        expect(8, **config, enable_expert_tensor_parallelism=True)
+    assert info.value.upstream == "AssertionError"
+    assert expect(8, **config).groups("expert").array.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_expert_errors() -> None:
@@ -394,7 +554,10 @@ def test_expert_groups_match_the_loops(
 
 def test_configs() -> None:
     cases = list(deepspeed.configs(8))
-    assert len(cases) == 10 + 20
+    assert len(cases) == 10 + 40
+    moe = [c for c in cases if "ep" in c]
+    assert {c["enable_expert_tensor_parallelism"] for c in moe} == {False, True}
+    assert sum(c["enable_expert_tensor_parallelism"] for c in moe) == 20
     for case in cases:
         exp = expect(8, **case)
         for name in exp.kinds():

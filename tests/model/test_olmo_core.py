@@ -280,13 +280,6 @@ def test_validation_order_pp_then_cp_then_tp_then_ep() -> None:
         ({"dp": "fsdp", "tp": "2"}, "tp must be an integer degree or None", None),
         ({"dp": "hsdp", "num_replicas": 0}, "num_replicas must be an integer >= 1", None),
         ({"dp": "hsdp", "num_nodes": "2"}, "num_nodes must be an integer degree or None", None),
-        ({"dp": "hsdp", "num_nodes": 3}, "HSDP split num_replicas=3 x shard_degree=2 = 6", None),
-        ({"dp": "hsdp", "num_replicas": 4, "shard_degree": 4}, "HSDP split", "RuntimeError"),
-        (
-            {"dp": "hsdp", "num_nodes": 16},
-            "HSDP split num_replicas=16 x shard_degree=0",
-            "RuntimeError",
-        ),
         ({"expert_mesh_ep": 0}, "build_expert_parallel_mesh with degree 0", "ZeroDivisionError"),
         ({"dp": "fsdp", "degree": 2}, "olmo-core takes no config key(s) ['degree']", None),
     ],
@@ -296,6 +289,93 @@ def test_meshsim_refusals(config: dict[str, Any], message: str, upstream: str | 
         olmo(8, **config)
     assert str(info.value).startswith(message)
     assert info.value.upstream == upstream
+
+
+@pytest.mark.parametrize(
+    ("world", "config", "message", "upstream"),
+    [
+        (
+            8,
+            {"dp": "hsdp", "num_replicas": 2, "shard_degree": 2},
+            "HSDP split num_replicas=2 x shard_degree=2 covers 4 of the 8 data-parallel ranks, "
+            "so OLMo builds its world mesh ('dp_replicate', 'dp_shard') = (2, 2) on ranks 0-3 of "
+            "8 only, and ranks 4-7, outside it, fail in get_dp_process_group with IndexError "
+            "(list index out of range) in get_group; choose num_replicas x shard_degree = 8",
+            "IndexError",
+        ),
+        (
+            8,
+            {"dp": "hsdp", "num_nodes": 3},
+            "HSDP split num_replicas=num_nodes=3 x shard_degree=8//3=2 covers 6 of the 8 "
+            "data-parallel ranks, so OLMo builds its world mesh ('dp_replicate', 'dp_shard') = "
+            "(3, 2) on ranks 0-5 of 8 only, and ranks 6-7, outside it,",
+            "IndexError",
+        ),
+        (  # EP adds no dim: the DP mesh is still the whole world mesh
+            8,
+            {"dp": "hsdp", "num_nodes": 3, "ep": -1},
+            "HSDP split num_replicas=num_nodes=3 x shard_degree=8//3=2 covers 6 of the 8",
+            "IndexError",
+        ),
+        (  # with other dims, get_dp_mesh slices the world mesh first
+            16,
+            {"dp": "hsdp", "num_nodes": 3, "pp": 2, "tp": 2},
+            "HSDP split num_replicas=num_nodes=3 x shard_degree=4//3=1 covers 3 of the 4 "
+            "data-parallel ranks, so OLMo builds its world mesh ('pp', 'dp_replicate', "
+            "'dp_shard', 'tp') = (2, 3, 1, 2) on ranks 0-11 of 16 only, and ranks 12-15, outside "
+            "it, fail in get_dp_process_group with RuntimeError slicing the world mesh",
+            "RuntimeError",
+        ),
+        (  # a size-1 cp dim: the sliced DP mesh still spans the whole world mesh
+            8,
+            {"dp": "hsdp", "num_nodes": 7, "cp": 1},
+            "HSDP split num_replicas=num_nodes=7 x shard_degree=8//7=1 covers 7 of the 8 "
+            "data-parallel ranks, so OLMo builds its world mesh ('dp_replicate', 'dp_shard', "
+            "'cp') = (7, 1, 1) on ranks 0-6 of 8 only, and rank 7, outside it, fail in "
+            "get_dp_process_group with IndexError",
+            "IndexError",
+        ),
+        (
+            8,
+            {"dp": "hsdp", "num_nodes": 3, "cp": 2},
+            "HSDP split num_replicas=num_nodes=3 x shard_degree=4//3=1 covers 3 of the 4 "
+            "data-parallel ranks, so OLMo builds its world mesh ('dp_replicate', 'dp_shard', "
+            "'cp') = (3, 1, 2) on ranks 0-5 of 8 only, and ranks 6-7, outside it, fail in "
+            "get_dp_process_group with RuntimeError",
+            "RuntimeError",
+        ),
+        (
+            8,
+            {"dp": "hsdp", "num_replicas": 4, "shard_degree": 4},
+            "HSDP split num_replicas=4 x shard_degree=4 = 16 exceeds the data parallel world size "
+            "8, so init_device_mesh refuses OLMo's world mesh ('dp_replicate', 'dp_shard') = "
+            "(4, 4): Mesh should not be bigger than default world size 8, but found 16 ranks!",
+            "RuntimeError",
+        ),
+        (
+            8,
+            {"dp": "hsdp", "num_nodes": 16},
+            "HSDP split num_replicas=num_nodes=16 x shard_degree=8//16=0 has a shard degree of 0",
+            "ZeroDivisionError",
+        ),
+    ],
+)
+def test_hsdp_split_not_covering_the_world(
+    world: int, config: dict[str, Any], message: str, upstream: str
+) -> None:
+    """OLMo does not check num_replicas x shard_degree against the DP world; torch and the ranks
+    outside a too-small mesh do. The error is the one the ranks outside the mesh see first."""
+    with pytest.raises(LayoutError) as info:
+        olmo(world, **config)
+    assert str(info.value).startswith(message)
+    assert info.value.upstream == upstream
+
+
+def test_ep_shard_check_comes_before_the_split_check() -> None:
+    """build_world_mesh checks ep == shard_degree before init_device_mesh sees the split."""
+    with pytest.raises(LayoutError, match="requires the same sharding degree") as info:
+        olmo(8, dp="hsdp", num_replicas=2, shard_degree=2, ep=4)
+    assert info.value.upstream == "OLMoConfigurationError"
 
 
 def test_get_dp_mesh_refuses_a_mesh_with_dp_cp() -> None:

@@ -56,6 +56,49 @@ def test_current_partial_dtensor_has_fsdp_instead_of_dp_and_dp_shard() -> None:
     assert exp.groups("fsdp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
 
 
+def test_current_full_dtensor_has_the_dense_storage_view_only() -> None:
+    """torchtitan 0.3.0: dense (pp, dp_replicate, dp_shard, cp, tp), no fwd/bwd ``dp`` view,
+    no ``fsdp``; sparse (pp, dp_replicate, efsdp, ep) as under the other backends."""
+    exp = titan(16, dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4, spmd_backend="full_dtensor")
+    assert exp.config["spmd_backend"] == "full_dtensor"
+    kinds = ["batch", "loss", "dp_replicate", "cp", "tp", "ep", "efsdp", "dp_shard"]
+    assert list(exp.kinds()) == kinds
+    assert list(exp.unavailable()) == ["pp"]
+    assert "dp" not in exp.kinds() and "fsdp" not in exp.kinds()
+    spmd = titan(16, dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4)
+    for kind in kinds:
+        assert exp.groups(kind) == spmd.groups(kind), kind
+    assert exp.groups("dp_shard") == [(i, i + 4) for i in (0, 1, 2, 3, 8, 9, 10, 11)]
+    assert dict(exp.roles) == dict(spmd.roles)
+    assert exp.layout is not None and exp.layout.root_names == (
+        "pp", "dp_replicate", "dp_shard", "cp", "tp"
+    )  # fmt: skip
+
+
+def test_current_full_dtensor_keeps_dp_shard_real_at_size_one() -> None:
+    """0.3.0's ``_mesh_exist``: dp_shard exists under full_dtensor and spmd_types at any size."""
+    exp = titan(4, tp=4, spmd_backend="full_dtensor")
+    assert exp.groups("dp_shard") == [(0,), (1,), (2,), (3,)]
+    assert "batch" in exp.unavailable() and "fsdp" not in exp.unavailable()
+    # the intermediate version's full_dtensor is left as modelled: dp_shard needs degree > 1
+    intermediate = titan(4, tp=4, version="intermediate", spmd_backend="full_dtensor")
+    assert "dp_shard" in intermediate.unavailable()
+
+
+def test_current_full_dtensor_get_mesh() -> None:
+    config = {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "spmd_backend": "full_dtensor"}
+    mesh = torchtitan.get_mesh(8, ["dp_replicate", "dp_shard"], **config)
+    assert mesh.shape == (2, 2) and mesh.groups() == EVEN_ODD
+    with pytest.raises(LayoutError, match="Invalid mesh dim: 'dp'") as info:
+        torchtitan.get_mesh(8, "dp", **config)
+    assert info.value.upstream == "ValueError"
+    with pytest.raises(LayoutError, match="Invalid mesh dim: 'fsdp'"):
+        torchtitan.get_mesh(8, "fsdp", **config)
+    # no spmd fwd/bwd views: (dp_replicate, efsdp, ep) comes from the sparse view itself
+    sparse = torchtitan.get_mesh(8, ["dp_replicate", "efsdp", "ep"], **{**config, "ep": 2})
+    assert sparse.shape == (2, 2, 2)
+
+
 def test_disabled_axis_is_unavailable_with_get_mesh_error() -> None:
     error = titan(8, dp_shard=8).unavailable()["tp"]
     assert error.upstream == "ValueError"
@@ -171,6 +214,7 @@ def test_get_mesh_needs_a_multi_view_version() -> None:
     [
         ("spmd_types", {"batch", "loss", "dp_replicate", "tp", "dp", "dp_shard"}),
         ("partial_dtensor", {"batch", "loss", "dp_replicate", "fsdp", "tp"}),
+        ("full_dtensor", {"batch", "loss", "dp_replicate", "tp", "dp_shard"}),
     ],
 )
 def test_one_dimensional_meshes(backend: str, expected: set[str]) -> None:
@@ -330,9 +374,18 @@ def test_world_size_mismatch() -> None:
     raises(8, {"dp_shard": 3, "version": "legacy"}, "AssertionError")
 
 
-def test_current_ep_must_divide_dp_shard_cp_tp() -> None:
-    error = raises(8, {"dp_shard": 4, "tp": 2, "ep": 16}, "ValueError")
-    assert str(error) == "expert_parallel_degree (16) must divide dp_shard * cp * tp (8)"
+@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor", "full_dtensor"])
+def test_current_ep_must_divide_dp_shard_cp_tp(backend: str) -> None:
+    """Both upstream forms are a ValueError: the snapshot's own check, and in torchtitan 0.3.0
+    (no check) torch's ``_unflatten`` of the sparse view."""
+    config = {"dp_shard": 4, "tp": 2, "ep": 16, "spmd_backend": backend}
+    message = str(raises(8, config, "ValueError"))
+    assert message.startswith("expert_parallel_degree (16) must divide dp_shard * cp * tp (8). ")
+    assert "(pp, dp_replicate, efsdp, ep) = (1, 1, 0, 16)" in message
+    assert "The product of mesh_sizes=(1, 1, 0, 16) is 0" in message
+    assert "size 8" in message
+    three = str(raises(8, {"dp_shard": 8, "ep": 3}, "ValueError"))
+    assert "The product of mesh_sizes=(1, 1, 2, 3) is 6" in three
     assert titan(8, pp=2, dp_shard=4, ep=4).groups("ep").group_size == 4  # ep not a world factor
 
 
@@ -403,7 +456,11 @@ def test_hyper_parallel_validation_order() -> None:
     ("config", "message"),
     [
         ({"version": "v2"}, "unknown torchtitan version 'v2'"),
-        ({"spmd_backend": "full_dtensor"}, "spmd_backend 'full_dtensor' does not exist in"),
+        ({"spmd_backend": "dtensor"}, "spmd_backend 'dtensor' does not exist in"),
+        (
+            {"version": "intermediate", "spmd_backend": "spmd_types"},
+            "spmd_backend 'spmd_types' does not exist in torchtitan version 'intermediate'",
+        ),
         ({"version": "legacy", "spmd_backend": "spmd_types"}, "spmd_backend 'spmd_types'"),
         ({"ulysses_degree": 2}, "ulysses_degree is an integer option of version='hyper_parallel'"),
         ({"tp": 2.0}, "tp must be an integer degree"),
@@ -437,6 +494,11 @@ def test_configs_options() -> None:
     assert len(both) == 2 * len(current)
     assert {c.get("spmd_backend") for c in both} == {None, "partial_dtensor"}
     assert all(c["version"] == "current" for c in current)
+    every = list(torchtitan.configs(4, versions=["current"], spmd_backends=["full_dtensor"]))
+    assert len(every) == len(current)
+    assert {c["spmd_backend"] for c in every} == {"full_dtensor"}
+    for config in every:
+        titan(4, **config)
     with pytest.raises(LayoutError, match="unknown torchtitan versions"):
         list(torchtitan.configs(4, versions=["old"]))
     ids = {case.id for case in meshsim.layouts(2, "torchtitan", versions=["legacy"])}
@@ -461,17 +523,17 @@ def _world(d: dict[str, int]) -> int:
 
 
 @settings(max_examples=100, deadline=None)
-@given(dense_degrees(), st.sampled_from(["spmd_types", "partial_dtensor"]))
+@given(dense_degrees(), st.sampled_from(["spmd_types", "partial_dtensor", "full_dtensor"]))
 def test_current_dense_views_equal_legacy(d: dict[str, int], backend: str) -> None:
     current = titan(_world(d), spmd_backend=backend, **d)
     legacy = titan(_world(d), version="legacy", **d)
     pairs = [(k, k) for k in ("pp", "dp_replicate", "cp", "tp")]
     pairs += [("batch", "dp"), ("loss", "dp_cp")]
-    pairs += (
-        [("dp", "dp"), ("dp_shard", "dp_shard")]
-        if backend == "spmd_types"
-        else [("fsdp", "dp_shard_cp")]
-    )
+    pairs += {
+        "spmd_types": [("dp", "dp"), ("dp_shard", "dp_shard")],
+        "full_dtensor": [("dp_shard", "dp_shard")],
+        "partial_dtensor": [("fsdp", "dp_shard_cp")],
+    }[backend]
     assert_same_groups(current, legacy, pairs)
     for role in ("data_parallel", "gradient_reduce", "loss", "tensor", "context", "pipeline"):
         assert (role in current.roles) == (role in legacy.roles), role

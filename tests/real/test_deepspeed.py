@@ -21,12 +21,14 @@ from tests.real._helpers import (
 pytestmark = [require("deepspeed", "deepspeed"), pytest.mark.requires_framework("deepspeed")]
 
 BEFORE = "use_data_before_expert_parallel_"
+ETP = "enable_expert_tensor_parallelism"
 WORLD_4: list[dict[str, Any]] = [
     {},  # the grid's default: pipe 2 x data 2
     {"num_pp": 2, "num_dp": 2},
     {"num_pp": 2, "num_mp": 2},
     {"num_pp": 4, "num_mp": 1},
     {"num_mp": 2, "num_dp": 2, "ep": 2},
+    {"num_mp": 2, "num_dp": 2, "ep": 2, ETP: True},
     {"num_mp": 1, "num_dp": 4, "ep": 2, BEFORE: True},
     {"num_mp": 1, "num_dp": 4, "ep": 4},
     {"axes": ["x", "y"], "dims": [2, 2]},
@@ -36,15 +38,26 @@ WORLD_8: list[dict[str, Any]] = [
     {"num_pp": 2, "num_mp": 2, "num_dp": 2},
     {"num_pp": 4, "num_mp": 2, "num_dp": 1},
     {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2},
+    {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2, ETP: True},
     {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2, BEFORE: True},
+    {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2, BEFORE: True, ETP: True},
+    {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 4},  # default path: ep spans tp
     {"num_pp": 1, "num_mp": 2, "num_dp": 4, "ep": 4},
+    {"num_pp": 1, "num_mp": 2, "num_dp": 4, "ep": 4, ETP: True},
     {"axes": ["pipe", "data", "model"], "dims": [2, 4, 1]},
+    {"axes": ["pipe", "data", "seq"], "dims": [2, 4, 1]},  # size-1 extra axis: tied group ok
+    {"axes": ["pipe", "data", "seq"], "dims": [2, 2, 2]},  # embedding unavailable (deadlock)
+    {"axes": ["pipe", "data", "seq"], "dims": [1, 2, 4], "ep": 4},
     {"axes": ["x", "y"], "dims": [2, 4], "ep": 2},
+    {"axes": ["pipe", "model"], "dims": [2, 4], "ep": 2, ETP: True},  # no grid: no mpu
 ]
 REFUSED: list[tuple[int, dict[str, Any]]] = [
     (8, {"num_pp": 3}),  # AssertionError "Invalid Grid"
     (4, {"num_pp": 2, "num_mp": 2, "num_dp": 2}),  # 8 ranks' topology on 4
     (4, {"axes": ["x", "x"], "dims": [2, 2]}),  # ValueError: namedtuple fields repeat
+    (8, {"num_pp": 4, "num_mp": 1, "num_dp": 2, "ep": 4}),  # a stage's 2 ranks, ep 4
+    (8, {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 4, ETP: True}),  # grid dp 2, ep 4
+    (8, {"axes": ["pipe", "data", "seq"], "dims": [1, 2, 4], "ep": 4, ETP: True}),
 ]
 
 
@@ -64,12 +77,16 @@ def test_refusals_match_reference(world: int, config: dict[str, Any]) -> None:
 
 
 def test_moe_example_world_8() -> None:
-    """E + D on DeepSpeed itself (mp 2, dp 4, ep 2): experts stride by tp inside each DP group."""
-    rank0 = assert_matches("deepspeed", 8, {"num_mp": 2, "num_dp": 4, "ep": 2}, unobserved=["p2p"])[
-        0
-    ]
-    assert rank0.groups["expert"].members == (0, 2)
-    assert rank0.groups["expert_data"].members == (0, 4)
+    """mp 2, dp 4, ep 2 on DeepSpeed's own MoE layer. Default: ``_create_expert_and_data_parallel``
+    ignores tp, so EP groups are consecutive pairs (the TP pairs); with expert tensor
+    parallelism, E + D strides the experts by tp inside each dense DP group."""
+    config: dict[str, Any] = {"num_mp": 2, "num_dp": 4, "ep": 2}
+    default = assert_matches("deepspeed", 8, config, unobserved=["p2p"])
+    assert [o.groups["expert"].members for o in default[:4]] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert default[0].groups["expert_data"].members == (0, 2, 4, 6)
+    tensor = assert_matches("deepspeed", 8, {**config, ETP: True}, unobserved=["p2p"])
+    assert tensor[0].groups["expert"].members == (0, 2)
+    assert tensor[0].groups["expert_data"].members == (0, 4)
 
 
 def _p2p(world: int, config: dict[str, Any]) -> list[tuple[int, ...]]:
@@ -80,17 +97,22 @@ def _p2p(world: int, config: dict[str, Any]) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("config", [{}, {"num_pp": 2, "num_mp": 2, "num_dp": 2}], ids=case_id)
 def test_p2p_pairs_match_reference(config: dict[str, Any]) -> None:
-    """``grid.p2p_groups`` ([rank, next stage], wrapping) equals the reference's ``p2p`` kind."""
+    """``grid.p2p_groups`` ([rank, next stage], wrapping) equals the reference's ``p2p`` kind,
+    row for row: row r is rank r's own pair."""
     pairs = run(_p2p, 8, backend="gloo", timeout=TIMEOUT, args=(8, config))[0]
     assert list(expect("deepspeed", 8, **config).groups("p2p").to_tuples()) == pairs
+    assert [pair[0] for pair in pairs] == list(range(8))
 
 
-def test_extra_axis_builds_grid_groups_without_tied_module() -> None:
-    """With a raw ("pipe", "data", "seq") topology the adapter skips the tied PipelineModule:
+def test_extra_axis_has_no_tied_embedding_group() -> None:
+    """With a raw ("pipe", "data", "seq") topology the reference has ``embedding`` unavailable and
+    the adapter records it absent without building the tied PipelineModule:
     ``_index_tied_modules`` only loops over data and model coordinates, so ranks of different
     ``seq`` coordinates would create different groups and deadlock."""
     config = {"axes": ["pipe", "data", "seq"], "dims": [2, 2, 2]}
-    assert_matches("deepspeed", 8, config, unobserved=["p2p", "embedding"])
+    observations = assert_matches("deepspeed", 8, config, unobserved=["p2p"])
+    assert all("embedding" in o.absent for o in observations)
+    assert "deadlock" in str(expect("deepspeed", 8, **config).unavailable()["embedding"])
 
 
 def _default_moe_path(world: int, config: dict[str, Any]) -> Any:
@@ -110,7 +132,9 @@ def _default_moe_path(world: int, config: dict[str, Any]) -> Any:
     ):
         grid = topology.PipelineParallelGrid(topology=deepspeed.topology(world, config))
         groups.mpu = grid
-        groups._create_expert_and_data_parallel(config["ep"])
+        groups._create_expert_and_data_parallel(
+            config["ep"], use_data_before_expert_parallel_=config.get(BEFORE, False)
+        )
         name = f"ep_size_{config['ep']}"
         return collect(
             {
@@ -120,19 +144,21 @@ def _default_moe_path(world: int, config: dict[str, Any]) -> Any:
         )
 
 
-def test_default_moe_path_ignores_tensor_parallelism() -> None:
-    """Documented divergence (deepspeed 0.19.8): the reference's expert kinds are the
-    expert-tensor-parallel path (``_get_expert_parallel_ranks``); a MoE layer built with the
-    default ``enable_expert_tensor_parallelism=False`` takes consecutive ranks instead, so with
-    tp 2 its EP groups are the tensor-parallel pairs. With tp 1 both paths agree."""
-    config = {"num_mp": 2, "num_dp": 4, "ep": 2}
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"num_mp": 2, "num_dp": 4, "ep": 2},
+        {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 4},
+        {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2, BEFORE: True},
+        {"num_mp": 1, "num_dp": 8, "ep": 2},
+    ],
+    ids=case_id,
+)
+def test_create_expert_and_data_parallel_is_the_default(config: dict[str, Any]) -> None:
+    """``groups._create_expert_and_data_parallel(ep)`` called directly with the grid as mpu (the
+    path of ``MoE(enable_expert_tensor_parallelism=False)``): the reference's default agrees."""
     observed = run(_default_moe_path, 8, backend="gloo", timeout=TIMEOUT, args=(8, config))
-    assert [o.groups["expert"].members for o in observed[:4]] == [(0, 1), (0, 1), (2, 3), (2, 3)]
-    assert observed[0].groups["expert_data"].members == (0, 2, 4, 6)
-    assert diff(list(observed), expect("deepspeed", 8, **config)) is not None
-    no_tp = {"num_mp": 1, "num_dp": 8, "ep": 2}
-    observed = run(_default_moe_path, 8, backend="gloo", timeout=TIMEOUT, args=(8, no_tp))
-    assert diff(list(observed), expect("deepspeed", 8, **no_tp)) is None
+    assert diff(list(observed), expect("deepspeed", 8, **config)) is None
 
 
 def test_build_leaves_environment_unchanged() -> None:

@@ -54,6 +54,8 @@ REFUSED_4: list[dict[str, Any]] = [
     {"dp": "hsdp", "num_replicas": 2, "ep": 4},  # EP must equal the shard degree
     {"dp": "hsdp", "num_replicas": 3},
     {"dp": "hsdp", "num_replicas": 4, "shard_degree": 4},  # 16 > 4: torch refuses
+    {"dp": "hsdp", "num_nodes": 8},  # shard degree 4 // 8 = 0: ZeroDivisionError in torch
+    {"dp": "hsdp", "num_replicas": 1, "shard_degree": 1, "ep": 2},  # ep check before the split
     {"expert_mesh_ep": 0},  # ZeroDivisionError in OLMo
     {"expert_mesh_ep": 3},
 ]
@@ -74,19 +76,32 @@ def test_refusals_match_reference(config: dict[str, Any]) -> None:
     assert_refused_alike("olmo-core", 4, config)
 
 
-def test_hsdp_split_smaller_than_world_crashes_outside_ranks() -> None:
-    """Documented divergence: HSDP 2 x 2 on 8 ranks (OLMo does not check the product).
-
-    OLMo 3.0.0 on torch 2.13 builds a (2, 2) mesh over ranks 0-3; ranks 4-7 then fail in
-    ``get_dp_process_group`` (``DeviceMesh.get_group`` raises IndexError: they hold no group).
-    meshsim's reference refuses the config outright rather than model a half-built world.
-    """
-    config = {"dp": "hsdp", "num_replicas": 2, "shard_degree": 2}
-    with pytest.raises(LayoutError, match="does not match the data parallel world size 8"):
+@pytest.mark.parametrize(
+    ("config", "inside"),
+    [
+        ({"dp": "hsdp", "num_replicas": 2, "shard_degree": 2}, 4),
+        ({"dp": "hsdp", "num_nodes": 3}, 6),
+        ({"dp": "hsdp", "num_nodes": 3, "ep": -1}, 6),
+        ({"dp": "hsdp", "num_nodes": 3, "cp": 2}, 6),  # RuntimeError: the DP mesh is a slice
+        ({"dp": "hsdp", "num_nodes": 3, "cp": 1}, 6),  # IndexError: a size-1 cp changes nothing
+        ({"dp": "hsdp", "num_nodes": 7, "cp": 1}, 7),
+    ],
+    ids=case_id,
+)
+def test_hsdp_split_smaller_than_world_fails_outside_the_mesh(
+    config: dict[str, Any], inside: int
+) -> None:
+    """OLMo 3.0.0 does not check num_replicas x shard_degree: on torch 2.13 it builds the world
+    mesh on the first ranks, and the ranks outside it fail in ``get_dp_process_group`` with the
+    exception the reference's refusal names (IndexError when the DP mesh spans the whole world
+    mesh, RuntimeError when a pp/cp/tp dim of size > 1 makes it a slice); the reference's message
+    names the split."""
+    with pytest.raises(LayoutError) as reference:
         expect("olmo-core", 8, **config)
+    assert f"on ranks 0-{inside - 1} of 8 only" in str(reference.value)
     outcomes = real_outcomes("olmo-core", 8, config)
-    assert [o[0] for o in outcomes] == ["built"] * 4 + ["refused"] * 4
-    assert {o[2] for o in outcomes[4:]} == {"IndexError"}
+    assert [o[0] for o in outcomes] == ["built"] * inside + ["refused"] * (8 - inside)
+    assert {o[2] for o in outcomes[inside:]} == {reference.value.upstream}
 
 
 def _build_twice(world: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -32,6 +32,9 @@ WORLD_4: list[dict[str, Any]] = [
     {"dp_replicate": 4},  # dp_shard=-1 resolves to 1
     {"dp_replicate": 2, "cp": 2, "spmd_backend": "partial_dtensor"},
     {"dp_shard": 2, "tp": 2, "ep": 2, "spmd_backend": "partial_dtensor"},
+    {"tp": 4, "spmd_backend": "full_dtensor"},  # dp_shard stays real at size 1
+    {"dp_replicate": 2, "dp_shard": 2, "spmd_backend": "full_dtensor"},
+    {"dp_shard": 2, "tp": 2, "ep": 4, "spmd_backend": "full_dtensor"},
 ]
 WORLD_8: list[dict[str, Any]] = [
     {"dp_replicate": 2, "dp_shard": 2, "tp": 2},
@@ -39,6 +42,8 @@ WORLD_8: list[dict[str, Any]] = [
     {"pp": 2, "dp_shard": 2, "cp": 2, "ep": 4},
     {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "ep": 2},
     {"dp_replicate": 2, "cp": 2, "tp": 2, "spmd_backend": "partial_dtensor"},
+    {"dp_shard": 4, "tp": 2, "spmd_backend": "full_dtensor"},
+    {"pp": 2, "dp_replicate": 2, "cp": 2, "ep": 2, "spmd_backend": "full_dtensor"},
 ]
 REFUSED: list[tuple[int, dict[str, Any]]] = [
     (4, {"tp": 3}),  # world != product
@@ -46,6 +51,7 @@ REFUSED: list[tuple[int, dict[str, Any]]] = [
     (4, {"tp": 0}),
     (8, {"dp_shard": 8, "ep": 3}),  # ep does not divide dp_shard*cp*tp
     (8, {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "ep": 8}),
+    (8, {"dp_shard": 4, "tp": 2, "ep": 3, "spmd_backend": "full_dtensor"}),
 ]
 
 
@@ -73,19 +79,58 @@ def test_refusals_match_reference(world: int, config: dict[str, Any]) -> None:
 
 def test_ep_divisibility_is_caught_by_torch_unflatten() -> None:
     """torchtitan 0.3.0 has no explicit EP check: torch's ``_unflatten`` of the sparse view
-    refuses efsdp x ep != world with a ValueError, the type the reference names."""
+    refuses efsdp x ep != world with a ValueError, the type the reference names; the reference's
+    message gives both the rule and torch's words."""
     message = assert_refused_alike("torchtitan", 8, {"dp_shard": 8, "ep": 3})
-    assert "unflatten" in message
+    assert "The product of mesh_sizes=(1, 1, 2, 3) is 6" in message
+    with pytest.raises(LayoutError) as reference:
+        expect("torchtitan", 8, dp_shard=8, ep=3)
+    assert "must divide dp_shard * cp * tp (8)" in str(reference.value)
+    assert "The product of mesh_sizes=(1, 1, 2, 3) is 6" in str(reference.value)
 
 
-def test_full_dtensor_backend_is_not_in_the_reference() -> None:
-    """Documented gap: torchtitan 0.3.0 also ships ``spmd_backend="full_dtensor"`` (dense view
-    (pp, dp_replicate, dp_shard, cp, tp), dp_shard exposed), which the reference's "current"
-    version refuses (it knows full_dtensor only in the "intermediate" version)."""
-    config = {"dp_shard": 4, "tp": 2, "spmd_backend": "full_dtensor"}
-    with pytest.raises(LayoutError, match="full_dtensor"):
-        expect("torchtitan", 8, **config)
-    assert {o[0] for o in real_outcomes("torchtitan", 8, config)} == {"built"}
+def test_full_dtensor_views_match_the_reference() -> None:
+    """torchtitan 0.3.0's ``spmd_backend="full_dtensor"``: dense (pp, dp_replicate, dp_shard, cp,
+    tp), ``dp_shard`` always real, no ``dp`` / ``fsdp``; the reference's current version agrees."""
+    config = {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "spmd_backend": "full_dtensor"}
+    observations = assert_matches("torchtitan", 8, config)
+    names = {n for o in observations for n in (*o.groups, *o.absent)}
+    assert "dp_shard" in names and "dp" not in names and "fsdp" not in names
+    assert observations[0].groups["dp_shard"].members == (0, 2)
+
+
+def _one_dimensional_meshes(world: int, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """torchtitan's own ``get_all_one_dimensional_meshes``: axis -> this rank's group."""
+    import torch.distributed as dist
+
+    from meshsim.builders.real import _shims, torchtitan
+
+    _shims.register_fake_backend()
+    dims = torchtitan.parallel_dims(world, config)
+    with _shims.unchanged_environ(), _shims.torchtitan_device(_shims.device_type()):
+        dims.build_mesh()
+        meshes = dims.get_all_one_dimensional_meshes()
+    return {axis: tuple(dist.get_process_group_ranks(m.get_group())) for axis, m in meshes.items()}
+
+
+@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor", "full_dtensor"])
+@pytest.mark.parametrize(
+    "config", [{"dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"tp": 4, "ep": 2}]
+)
+def test_one_dimensional_meshes_match_reference(backend: str, config: dict[str, Any]) -> None:
+    """``get_all_one_dimensional_meshes`` (axes of size > 1 that are not fake-backed)."""
+    from meshsim.model.conventions import torchtitan
+
+    full = {**config, "spmd_backend": backend}
+    world = 8 if "dp_replicate" in config else 4
+    observed = run(
+        _one_dimensional_meshes, world, backend="gloo", timeout=TIMEOUT, args=(world, full)
+    )
+    reference = torchtitan.get_all_one_dimensional_meshes(world, **full)
+    assert set(observed[0]) == set(reference)
+    for rank, meshes in enumerate(observed):
+        for axis, members in meshes.items():
+            assert reference[axis].group_of(rank) == members, (rank, axis)
 
 
 def test_other_versions_are_refused_with_a_usage_error() -> None:
@@ -126,7 +171,7 @@ def test_build_leaves_environment_unchanged() -> None:
             world,
             "torchtitan",
             versions=["current"],
-            spmd_backends=["spmd_types", "partial_dtensor"],
+            spmd_backends=["spmd_types", "partial_dtensor", "full_dtensor"],
         )
     ],
     ids=case_id,

@@ -10,13 +10,17 @@ kind names of ``meshsim.model.conventions.deepspeed``:
   ``model_parallel``: its DeepSpeed model-parallel group; axes of a raw topology other than
   those become groups of ``get_axis_comm_lists(axis)``;
 * ``embedding`` (pipe > 1): the tied-module group of a ``PipelineModule`` whose first and last
-  layers are one ``TiedLayerSpec`` (a GPT's embedding and LM head), one layer per stage. Only
-  for topologies whose axes are among pipe/data/model: ``PipelineModule._index_tied_modules``
-  loops over the data and model coordinates only, so with another axis (``["pipe", "data",
-  "seq"]``) ranks of different ``seq`` coordinates ask ``new_group`` for different rank lists
-  and deadlock (seen on gloo with deepspeed 0.19.8);
-* ``expert`` / ``expert_data`` (config ``ep``): ``groups._create_expert_data_and_model_parallel``
-  with the grid as ``mpu`` (the path of a MoE layer with expert tensor parallelism).
+  layers are one ``TiedLayerSpec`` (a GPT's embedding and LM head), one layer per stage. When
+  the topology has an axis of size > 1 besides pipe/data/model (``["pipe", "data", "seq"]``)
+  the module is not built and ``embedding`` is recorded absent, as the reference has it
+  unavailable: ``PipelineModule._index_tied_modules`` loops over the data and model coordinates
+  only, so ranks of different ``seq`` coordinates ask ``new_group`` for different rank lists and
+  deadlock (seen on gloo with deepspeed 0.19.8);
+* ``expert`` / ``expert_data`` (config ``ep``): the groups of a ``deepspeed.moe.layer.MoE``
+  (``enable_expert_tensor_parallelism`` from the config) after ``set_deepspeed_parallelism``,
+  with ``groups.mpu`` the grid as the engine sets it (None when the topology is no grid):
+  DeepSpeed itself picks ``_create_expert_and_data_parallel`` or, with the flag and an mpu,
+  ``_create_expert_data_and_model_parallel``.
 
 ``grid.p2p_groups`` (``[rank, next stage]`` lists, not process groups) is not observed: every
 rank sits in two pairs, so a per-rank diff cannot pick "its" pair; :func:`p2p_groups` returns
@@ -37,10 +41,13 @@ from meshsim.builders.real import _shims
 from meshsim.builders.real._adapter import check_keys, framework_refusals
 from meshsim.checks import Observation
 
+#: Axes ``PipelineModule._index_tied_modules`` loops over (pipe stages, data, model coordinates).
+_TIED_AXES = frozenset({"pipe", "data", "model"})
 _MODULES = (
     "deepspeed.runtime.pipe.topology",
     "deepspeed.runtime.pipe.module",
     "deepspeed.utils.groups",
+    "deepspeed.moe.layer",
     "deepspeed.comm.comm",
     "deepspeed.comm.torch",
 )
@@ -69,7 +76,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     ``embedding`` (0, 4).
     """
     check_keys("deepspeed", config)
-    topo_module, pipe_module, _, _, _ = _shims.load(*_MODULES)
+    topo_module, pipe_module, _, moe_layer, _, _ = _shims.load(*_MODULES)
     with framework_refusals():
         topo = topology(world_size, config)
     axes = ["pipe", "data"] if topo is None else list(topo.get_axis_names())
@@ -85,14 +92,18 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
                 grid = topo_module.PipelineParallelGrid(topology=topo)
             topo = grid.topology()
             entries.update(_grid_entries(grid, ds_comm, topo))
-            tied_ok = set(topo.get_axis_names()) <= {"pipe", "data", "model"}
-            if grid.pipe_parallel_size > 1 and tied_ok:
+            others = [
+                a for a in topo.get_axis_names() if a not in _TIED_AXES and topo.get_dim(a) > 1
+            ]
+            if grid.pipe_parallel_size > 1 and others:
+                entries["embedding"] = RuntimeError(f"tied groups would deadlock: axes {others}")
+            elif grid.pipe_parallel_size > 1:
                 entries["embedding"] = _tied_group(pipe_module, topo)
         else:
             for axis in axes:
                 entries[axis] = _comm_list_group(ds_comm, topo.get_axis_comm_lists(axis))
         if config.get("ep") is not None:
-            entries.update(_expert_entries(groups, ds_comm, grid, topo, world_size, config))
+            entries.update(_expert_entries(groups, moe_layer, grid, config))
         return collect(entries)
 
 
@@ -153,25 +164,33 @@ def _tied_group(pipe_module: Any, topo: Any) -> Any:
 
 
 def _expert_entries(
-    groups: Any, ds_comm: Any, grid: Any, topo: Any, world_size: int, config: Mapping[str, Any]
+    groups: Any, moe_layer: Any, grid: Any, config: Mapping[str, Any]
 ) -> dict[str, Entry]:
-    """MoE expert / expert-data groups: the mpu path with the grid, else the rank tables."""
+    """The expert / expert-data groups DeepSpeed's own ``MoE`` layer creates for ``config``.
+
+    ``groups.mpu`` is the grid (the engine sets it so before calling
+    ``set_deepspeed_parallelism``), or None without one; ``MoE._create_process_groups`` then
+    picks the path from ``enable_expert_tensor_parallelism``. The experts are 1x1 ``Linear`` s on
+    CPU, one per expert-parallel rank.
+    """
+    import torch
+
     ep = config["ep"]
     before = bool(config.get("use_data_before_expert_parallel_", False))
     name = f"ep_size_{ep}"
     with framework_refusals():
-        if grid is not None:
-            groups.mpu = grid
-            groups._create_expert_data_and_model_parallel(
-                ep, mpu=grid, use_data_before_expert_parallel_=before
-            )
-            return {
-                "expert": groups._get_expert_parallel_group(name),
-                "expert_data": groups._get_expert_data_parallel_group(name),
-            }
-        tp, pp = max(topo.get_dim("model"), 1), max(topo.get_dim("pipe"), 1)
-        experts, expert_data = groups._get_expert_parallel_ranks(world_size, tp, ep, pp, before)
-    return {
-        "expert": _comm_list_group(ds_comm, experts),
-        "expert_data": _comm_list_group(ds_comm, expert_data),
-    }
+        groups.mpu = grid
+        layer = moe_layer.MoE(
+            hidden_size=1,
+            expert=torch.nn.Linear(1, 1),
+            num_experts=ep,
+            ep_size=ep,
+            enable_expert_tensor_parallelism=bool(
+                config.get("enable_expert_tensor_parallelism", False)
+            ),
+        )
+        layer.set_deepspeed_parallelism(use_data_before_expert_parallel_=before)
+        return {
+            "expert": groups._get_expert_parallel_group(name),
+            "expert_data": groups._get_expert_data_parallel_group(name),
+        }

@@ -1,7 +1,8 @@
 """DeepSpeed's ``ProcessTopology`` family and MoE rank tables, over :class:`Layout`, vectorised.
 
-Mirrors ``deepspeed/runtime/pipe/topology.py`` and ``_get_expert_parallel_ranks`` in
-``deepspeed/utils/groups.py``, quirks included: ``get_dim`` of an unknown axis is 0,
+Mirrors ``deepspeed/runtime/pipe/topology.py`` and, in ``deepspeed/utils/groups.py``, the two
+rank tables a MoE layer can get (``_create_expert_and_data_parallel`` without ``mp_size`` and
+``_get_expert_parallel_ranks``), quirks included: ``get_dim`` of an unknown axis is 0,
 ``get_axis_comm_lists`` of an unknown axis is ``[]``, ``get_rank`` needs every axis.
 """
 
@@ -250,3 +251,38 @@ def expert_parallel_ranks(
         return Groups(blocks.swapaxes(-1, -2).reshape(-1, ep)), Groups(blocks.reshape(-1, dp // ep))
     blocks = dense.reshape(pp, tp, dp // ep, ep)
     return Groups(blocks.reshape(-1, ep)), Groups(blocks.swapaxes(-1, -2).reshape(-1, dp // ep))
+
+
+def expert_and_data_parallel_ranks(
+    world_size: int,
+    expert_parallel_size: int,
+    pipeline_parallel_size: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[Groups, Groups]:
+    """``_create_expert_and_data_parallel(ep)`` with no ``mp_size`` (its "legacy" path):
+    (expert-parallel groups, expert-data-parallel groups).
+
+    The path of ``MoE(enable_expert_tensor_parallelism=False)`` (DeepSpeed's default) and of any
+    MoE layer without an ``mpu``. Tensor parallelism is ignored: each pipeline stage's
+    ``world / pp`` consecutive ranks are dealt like a tp-1 data-parallel group. E + D: EP groups
+    are consecutive chunks of ``ep`` ranks, expert-DP groups stride by ``ep`` inside the stage.
+    D + E: expert-DP groups are consecutive chunks of ``world / pp / ep``, EP groups stride by it.
+
+    Example: world 8, ep 2 (whatever the tp) gives EP ``[0, 1]``, ``[2, 3]``, ``[4, 5]``, ``[6, 7]``
+    and expert DP ``[0, 2, 4, 6]``, ``[1, 3, 5, 7]``.
+    """
+    ep, pp = expert_parallel_size, pipeline_parallel_size
+    stage = world_size // pp
+    if stage % ep:
+        raise LayoutError(
+            f"{stage} is not divisible by {ep}: _create_expert_and_data_parallel needs the ranks "
+            f"of one pipeline stage (world {world_size} / pp {pp}) to be divisible by the expert "
+            f"parallel size",
+            upstream="AssertionError",
+        )
+    ranks, chunk = np.arange(world_size, dtype=np.int64), stage // ep
+    if use_data_before_expert_parallel_:  # (stage, expert-DP chunk, position in it)
+        blocks = ranks.reshape(pp, ep, chunk)
+        return Groups(blocks.swapaxes(-1, -2).reshape(-1, ep)), Groups(blocks.reshape(-1, chunk))
+    blocks = ranks.reshape(pp, chunk, ep)  # (stage, EP chunk, position in it)
+    return Groups(blocks.reshape(-1, ep)), Groups(blocks.swapaxes(-1, -2).reshape(-1, chunk))

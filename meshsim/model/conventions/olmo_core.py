@@ -15,6 +15,7 @@ and the same getters on that mesh, prefixed ``expert:`` (``expert:get_ep_mesh``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
@@ -156,19 +157,25 @@ def _world_dims(world_size: int, cfg: Mapping[str, Any]) -> list[tuple[str, int]
             raise _error("expert parallelism can currently only be used with HSDP data parallelism")
 
     dims: list[tuple[str, int]] = [("pp", pp)] if pp is not None else []
+    split: tuple[int, int, str] | None = None
     if dp == "hsdp":
-        replicas, shard = _replicate_and_shard(dp_world, cfg)
+        split = _replicate_and_shard(dp_world, cfg)
+        replicas, shard, _ = split
         dims += [("dp_replicate", replicas), ("dp_shard", shard)]
         if ep is not None and ep >= 0 and ep != shard:
             raise _error("expert parallelism + HSDP requires the same sharding degree")
     else:
         dims.append(("dp", dp_world))
     dims += [(key, degree) for key, degree in (("cp", cp), ("tp", tp)) if degree is not None]
+    if split is not None and split[0] * split[1] != dp_world:  # checked by init_device_mesh
+        raise _split_error(world_size, dp_world, dims, split)
     return dims
 
 
-def _replicate_and_shard(dp_world: int, cfg: Mapping[str, Any]) -> tuple[int, int]:
-    """``DataParallelConfig.get_replicate_and_shard_degree``, checked against the DP world."""
+def _replicate_and_shard(dp_world: int, cfg: Mapping[str, Any]) -> tuple[int, int, str]:
+    """``DataParallelConfig.get_replicate_and_shard_degree``: (num_replicas, shard_degree, how
+    they were chosen). OLMo checks that a *given* value divides the DP world, never that the
+    product is the DP world (``build_world_mesh`` finds out, see :func:`_split_error`)."""
     replicas, shard = cfg["num_replicas"], cfg["shard_degree"]
     for key, value in (("num_replicas", replicas), ("shard_degree", shard)):
         if value is not None and dp_world % value != 0:
@@ -178,20 +185,70 @@ def _replicate_and_shard(dp_world: int, cfg: Mapping[str, Any]) -> tuple[int, in
     if replicas is None and shard is None:
         num_nodes = cfg["num_nodes"] or 1
         replicas, shard = num_nodes, dp_world // num_nodes
+        how = f"num_replicas=num_nodes={num_nodes} x shard_degree={dp_world}//{num_nodes}={shard}"
     elif shard is None:
         shard = dp_world // replicas
+        how = f"num_replicas={replicas} x shard_degree={shard}"
     elif replicas is None:
         replicas = dp_world // shard
-    if replicas * shard != dp_world:
-        # OLMo does not check this; init_device_mesh then fails (too big, or a size-0 dim) or
-        # leaves ranks out of the mesh, which meshsim refuses rather than drop ranks silently.
-        raise LayoutError(
-            f"HSDP split num_replicas={replicas} x shard_degree={shard} = {replicas * shard} does "
-            f"not match the data parallel world size {dp_world}; pick num_replicas/shard_degree "
-            f"(or num_nodes) whose product is {dp_world}",
-            upstream="RuntimeError" if replicas * shard > dp_world or shard == 0 else None,
+        how = f"num_replicas={replicas} x shard_degree={shard}"
+    else:
+        how = f"num_replicas={replicas} x shard_degree={shard}"
+    return replicas, shard, how
+
+
+def _split_error(
+    world_size: int, dp_world: int, dims: list[tuple[str, int]], split: tuple[int, int, str]
+) -> LayoutError:
+    """What ``build_world_mesh`` does with an HSDP split whose product is not the DP world.
+
+    OLMo passes the split to ``init_device_mesh`` unchecked (ai2-olmo-core 3.0.0, torch 2.13):
+    a shard degree of 0 (num_nodes > DP world) fails in torch with ZeroDivisionError; a mesh
+    bigger than the world with RuntimeError; a smaller one is built on ranks ``0..n-1`` only, and
+    the ranks outside it fail in the ``get_dp_process_group`` call ``build_world_mesh`` makes: an
+    IndexError in ``DeviceMesh.get_group`` when the DP mesh spans the whole world mesh (every
+    pp/cp/tp dim absent or of size 1; EP adds no dim), a RuntimeError slicing the world mesh when
+    a pp/cp/tp dim of size > 1 makes the DP mesh a proper slice of it (torch's
+    ``_get_mesh_tensor_from_full_mesh`` needs the rank in the mesh then). The ranks
+    inside the mesh build their groups, so no answer holds for every rank: meshsim refuses the
+    config with the error the ranks outside the mesh see.
+    """
+    replicas, shard, how = split
+    names = tuple(n for n, _ in dims)
+    shape = tuple(s for _, s in dims)
+    size = math.prod(shape)
+    mesh = f"world mesh {names} = {shape}"
+    if size == 0:
+        return LayoutError(
+            f"HSDP split {how} has a shard degree of 0 (the data parallel world size is "
+            f"{dp_world}), so torch fails building OLMo's {mesh} with ZeroDivisionError: integer "
+            f"modulo by zero",
+            upstream="ZeroDivisionError",
         )
-    return replicas, shard
+    if size > world_size:
+        return LayoutError(
+            f"HSDP split {how} = {replicas * shard} exceeds the data parallel world size "
+            f"{dp_world}, so init_device_mesh refuses OLMo's {mesh}: Mesh should not be bigger "
+            f"than default world size {world_size}, but found {size} ranks!",
+            upstream="RuntimeError",
+        )
+    if size == replicas * shard:  # pp/cp/tp absent or of size 1: the DP mesh is the world mesh
+        upstream, failure = "IndexError", "IndexError (list index out of range) in get_group"
+    else:
+        upstream = "RuntimeError"
+        failure = (
+            "RuntimeError slicing the world mesh (In order to get the mesh Tensor of a "
+            "DeviceMesh it needs to either have all its original dimensions (e.g., no slicing) "
+            "or it needs to contain the local rank)"
+        )
+    outside = f"rank {size}" if size == world_size - 1 else f"ranks {size}-{world_size - 1}"
+    return LayoutError(
+        f"HSDP split {how} covers {replicas * shard} of the {dp_world} data-parallel ranks, so "
+        f"OLMo builds its {mesh} on ranks 0-{size - 1} of {world_size} only, and {outside}, "
+        f"outside it, fail in get_dp_process_group with {failure}; choose num_replicas x "
+        f"shard_degree = {dp_world}",
+        upstream=upstream,
+    )
 
 
 def _expert_root(world_size: int, degree: int) -> Layout:

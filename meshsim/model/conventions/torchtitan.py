@@ -2,11 +2,12 @@
 
 ``version`` picks the code modelled (``torchtitan/distributed/parallel_dims.py``):
 
-* ``"current"`` (default; since Dec 2025): a 1-D ``world`` mesh unflattened into views, each
-  row-major with ``pp`` outermost: dataloading ``(pp, batch, cp, tp)``; ``loss`` =
-  flatten(batch, cp); dense ``(pp, dp_replicate, dp_shard, cp, tp)`` plus ``(pp, dp, cp, tp)``
-  under ``spmd_backend="spmd_types"`` (default) or ``(pp, dp_replicate, fsdp, tp)`` under
-  ``"partial_dtensor"``; sparse ``(pp, dp_replicate, efsdp, ep)``.
+* ``"current"`` (default; since Dec 2025; what torchtitan 0.3.0 ships): a 1-D ``world`` mesh
+  unflattened into views, each row-major with ``pp`` outermost: dataloading ``(pp, batch, cp,
+  tp)``; ``loss`` = flatten(batch, cp); dense ``(pp, dp_replicate, dp_shard, cp, tp)`` plus
+  ``(pp, dp, cp, tp)`` under ``spmd_backend="spmd_types"`` (default), the same dense view alone
+  under ``"full_dtensor"``, or ``(pp, dp_replicate, fsdp, tp)`` under ``"partial_dtensor"``;
+  sparse ``(pp, dp_replicate, efsdp, ep)`` (no ``etp``).
 * ``"intermediate"`` (Dec 2025 - early 2026): sparse ``(pp, dp_replicate, efsdp, ep, etp)`` and a
   ``full_dtensor`` switch (``spmd_backend="partial_dtensor"`` default, or ``"full_dtensor"``).
 * ``"legacy"`` and ``"hyper_parallel"``: one root mesh with flattened aliases
@@ -50,14 +51,17 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "pp": "pipeline_parallel_degree (default 1)",
     "ep": "expert_parallel_degree (default 1)",
     "etp": "expert_tensor_parallel_degree: 1 or tp (intermediate, legacy, hyper_parallel)",
-    "spmd_backend": "current: 'spmd_types' (default) or 'partial_dtensor'; intermediate: "
-    "'partial_dtensor' (default) or 'full_dtensor'",
+    "spmd_backend": "current: 'spmd_types' (default), 'partial_dtensor' or 'full_dtensor'; "
+    "intermediate: 'partial_dtensor' (default) or 'full_dtensor'",
     "version": "'current' (default), 'intermediate', 'legacy' or 'hyper_parallel'",
     "ulysses_degree": "hyper_parallel only: Ulysses sub-degree of cp",
 }
 VERSIONS: Final = ("current", "intermediate", "legacy", "hyper_parallel")
+#: The ``spmd_backend`` values of each multi-view version, its default first. torchtitan 0.3.0's
+#: ``ParallelismConfig`` accepts exactly the current three (ValueError otherwise); the conventions
+#: snapshot (b5bcd76c) lists only spmd_types and partial_dtensor, 0.3.0 also keeps full_dtensor.
 _BACKENDS: Final[Mapping[str, tuple[str, ...]]] = {
-    "current": ("spmd_types", "partial_dtensor"),
+    "current": ("spmd_types", "partial_dtensor", "full_dtensor"),
     "intermediate": ("partial_dtensor", "full_dtensor"),
 }
 _DESCRIPTIONS: Final[Mapping[str, str]] = {
@@ -169,11 +173,20 @@ class _Views:
         """``_mesh_exist``: is the axis backed by a real process group (not ``fake``)?"""
         if axis == "fsdp":
             return True  # fully_shard needs it, even at degree 1, for mixed precision
-        if axis == "dp_shard" and self.backend == "spmd_types":
+        if axis == "dp_shard" and self.backend in self._storage_backends():
             return True
         if axis == "efsdp":
             return self.degrees.ep > 1
         return self.single[axis].size > 1
+
+    def _storage_backends(self) -> tuple[str, ...]:
+        """Backends under which ``dp_shard`` is the dense storage axis, kept real at size 1.
+
+        torchtitan 0.3.0 (current) keeps it under full_dtensor too (``spmd_backend in
+        ("full_dtensor", "spmd_types")``); the conventions snapshot names spmd_types only, and
+        0.3.0, the version users install, wins. The intermediate version is left as modelled.
+        """
+        return ("spmd_types", "full_dtensor") if self.version == "current" else ("spmd_types",)
 
     def kinds(self) -> dict[str, Kind]:
         kinds: dict[str, Kind] = {}
@@ -191,6 +204,29 @@ class _Views:
         return kinds
 
 
+def _check_ep_divides(d: Degrees) -> None:
+    """The current version's EP rule: ep must divide dp_shard * cp * tp (the sparse region).
+
+    Two upstream forms, both ValueError: the conventions snapshot (b5bcd76c) checks it in
+    ``ParallelDims._validate``; torchtitan 0.3.0 has no check, so ``build_mesh`` computes
+    ``efsdp = dp_shard * cp * tp // ep`` and torch's ``_unflatten`` of the sparse view refuses
+    sizes whose product is not the world size.
+    """
+    region = d.dp_shard * d.cp * d.tp
+    if region % d.ep == 0:
+        return
+    sizes = (d.pp, d.dp_replicate, region // d.ep, d.ep)
+    raise LayoutError(
+        f"expert_parallel_degree ({d.ep}) must divide dp_shard * cp * tp ({region}). torchtitan "
+        f"0.3.0 does not check this itself: build_mesh unflattens the sparse view (pp, "
+        f"dp_replicate, efsdp, ep) = {sizes} with efsdp = {region} // {d.ep}, and torch's "
+        f"_unflatten raises ValueError: The product of mesh_sizes={sizes} is "
+        f"{math.prod(sizes)}, but the original dimension at dim=0 has size {d.world_size} (the "
+        f"torchtitan snapshot in meshsim's conventions raises the first sentence itself)",
+        upstream="ValueError",
+    )
+
+
 def _not_available(dims: str | Sequence[str]) -> LayoutError:
     enabled = "enabled (size > 1)" if isinstance(dims, str) else "all enabled"
     return LayoutError(
@@ -203,12 +239,7 @@ def _not_available(dims: str | Sequence[str]) -> LayoutError:
 def _views(world_size: int, version: str, backend: str | None, raw: Mapping[str, int]) -> _Views:
     if version == "current":
         d = validate_dense(world_size, raw, with_etp=False)
-        region = d.dp_shard * d.cp * d.tp
-        check(
-            region % d.ep == 0,
-            f"expert_parallel_degree ({d.ep}) must divide dp_shard * cp * tp ({region})",
-            "ValueError",
-        )
+        _check_ep_divides(d)
         expert_axes, expert_sizes = ("ep",), (d.ep,)
     elif version == "intermediate":
         d = validate_dense(world_size, raw, with_etp=True)
