@@ -4,8 +4,7 @@ The work (one "layout test"), identical on every path: (init the process group,)
 ``DeviceMesh`` with ``init_device_mesh("cpu", ...)``, slice two dims and ``_flatten`` them, read
 ``get_process_group_ranks`` of every dim, ``all_gather`` the global ranks over the world (real
 tiers only), check the result against the expected groups, tear down.
-``mesh_work`` and the spawn baseline follow ``benchmarks/harness_cost.py`` (another engineer's
-script, copied here so that its changes cannot silently change what this benchmark measures).
+``mesh_work`` is the single definition of that work: every column of the per-test table runs it.
 
 * spawn-per-test: what ``torch.testing._internal.common_distributed.MultiProcessTestCase`` does
   for every test: ``spawn`` one fresh interpreter per rank (each imports torch), ``FileStore``
