@@ -346,17 +346,19 @@ def render(result: dict[str, Any]) -> str:
         head = ["world", "shape", "meshsim (arrays)", "meshsim (lists)", "Megatron"]
         if "deepspeed" in columns:
             head.append("DeepSpeed")
-        head.append("Megatron ÷ meshsim lists")
+        head.append("Megatron ÷ meshsim (lists / arrays)")
         if "deepspeed" in columns:
-            head.append("DeepSpeed ÷ meshsim lists")
+            head.append("DeepSpeed ÷ meshsim (lists / arrays)")
         body = []
         for r in rows:
             shape = "×".join(str(v) for v in r["shape"].values())
             line = [f"2^{r['world_size'].bit_length() - 1}", shape]
             line += [cell(r.get(c)) for c in columns]
-            line.append(fmt_ratio(ratio(r.get("megatron"), r.get("meshsim_lists"))))
-            if "deepspeed" in columns:
-                line.append(fmt_ratio(ratio(r.get("deepspeed"), r.get("meshsim_lists"))))
+            for framework in columns[2:]:
+                line.append(
+                    f"{fmt_ratio(ratio(r.get(framework), r.get('meshsim_lists')))} / "
+                    f"{fmt_ratio(ratio(r.get(framework), r.get('meshsim_arrays')))}"
+                )
             body.append(line)
             for c in columns:
                 info = r.get(c) or {}
