@@ -4,6 +4,8 @@ Run on demand: ``python benchmarks/reference_scaling.py [--json out.json]``.
 For each world size it times (a) every single-axis group family of a 5-D Layout, (b) every
 pair-of-axes family (flattened dims), (c) a per-rank query on the last rank, and (d) every
 kind of Megatron's ``expect`` (all of its groups, materialised as arrays).
+The same workloads side by side with megatron-core's ``RankGenerator`` and DeepSpeed's
+``ProcessTopology`` (same groups, cross-checked) are section 2 of ``benchmarks/run.py``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ so the throughput is the steady state of a long sweep; the boot is reported besi
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -64,7 +65,7 @@ def run(quick: bool) -> dict[str, Any]:
                 results = list(verify_many(cases, tier))
                 walls.append(time.perf_counter() - start)
                 failed = [str(r).splitlines()[0] for r in results if not r.passed]
-            wall = sorted(walls)[len(walls) // 2]
+            wall = statistics.median(walls)
             entry.update(
                 {
                     "median_s": wall,
