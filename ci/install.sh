@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs meshsim and its test tools on a fresh machine.
-# torch is pinned to the local CPU build first: an unpinned torch would pull GBs of CUDA wheels.
+# Installs meshsim and its test tools on a fresh machine: a CPU torch first (ci/install_torch.sh
+# keeps pip from pulling the CUDA build and its GBs of nvidia packages), then the project.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+bash ci/install_torch.sh
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
