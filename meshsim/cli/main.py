@@ -1,4 +1,4 @@
-"""The ``meshsim`` command: show, diff, verify and sweep rank layouts."""
+"""The ``meshsim`` command: show, diff, verify, sweep and list rank layouts."""
 
 from __future__ import annotations
 
