@@ -104,7 +104,7 @@ def test_sweep_fake_json_and_junit(tmp_path: Path) -> None:
         str(junit),
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "sweep on fake" in result.stdout
+    assert "sweep of world 4 on fake" in result.stdout
     data = json.loads(report.read_text())
     cases = meshsim.layouts(4, "olmo-core")
     assert len(cases) > verify_module.FAKE_BATCH
