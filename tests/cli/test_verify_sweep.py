@@ -120,7 +120,7 @@ def test_sweep_fake_json_and_junit(tmp_path: Path) -> None:
 def test_sweep_cross_check_runs_every_tier() -> None:
     result = run_cli("sweep", "-n", "2", "--framework", "torch", "--cross-check")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "sweep of world 8 on fake, threaded, gloo" in result.stdout
+    assert "sweep of world 2 on fake, threaded, gloo" in result.stdout
     total = next(line for line in result.stdout.splitlines() if "total" in line)
     assert [c.strip() for c in total.strip("│").split("│")][1:5] == ["4", "4", "0", "0"]
 
