@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The main job on its embedded default: set up, then verify every layout of every convention
-# at world size 8 on the default backends.
+# The main job: set up, then verify every world-8 layout of every convention on the fake tier
+# and prove an evenly spaced sample of each convention by real communication (threaded and gloo
+# all-gathers), cross-checking that every tier observes the same groups. Extra flags go to
+# `meshsim sweep` (e.g. --communicate 8, --junit-xml out.xml, --json out.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install.sh
-exec meshsim sweep --world-size 8 "$@"
+exec meshsim sweep --world-size 8 --communicate 4 "$@"

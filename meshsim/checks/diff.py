@@ -9,7 +9,7 @@ from meshsim.checks.observation import Observation, ObservedLayout
 from meshsim.errors import UsageError
 from meshsim.harness.outcome import rank_label
 from meshsim.model.expected import Expected
-from meshsim.model.groups import Group
+from meshsim.model.groups import Group, format_groups
 
 
 @dataclass(frozen=True)
@@ -50,19 +50,71 @@ class MeshDiff:
     mismatches: tuple[Mismatch, ...]
     checked: dict[str, int] = field(default_factory=dict)
 
-    def lines(self, limit: int = 20) -> list[str]:
-        kinds = sorted({m.kind for m in self.mismatches}, key=list(self.checked).index)
-        head = (
-            f"{len(self.mismatches)} mismatch(es) in {len(kinds)} of {len(self.checked)} kinds "
-            f"checked ({', '.join(kinds)}) against {self.expected}:"
+    def ranks_affected(self, kind: str | None = None) -> tuple[int, ...]:
+        """Every rank with at least one mismatch (of ``kind`` when given), sorted."""
+        return tuple(
+            sorted({r for m in self.mismatches if kind in (None, m.kind) for r in m.ranks})
         )
-        body = [f"  {m}" for m in self.mismatches[:limit]]
-        if len(self.mismatches) > limit:
-            body.append(f"  ... {len(self.mismatches) - limit} more")
-        return [head, *body]
+
+    def kinds(self) -> list[str]:
+        """The kinds with a mismatch, in the order they were checked."""
+        order = list(self.checked)
+        found = {m.kind for m in self.mismatches}
+        return sorted(found, key=lambda k: order.index(k) if k in order else len(order))
+
+    def lines(self, limit: int = 4) -> list[str]:
+        """A head line, then per kind: ranks affected, expected vs observed groups, and at most
+        ``limit`` entries (ranks that saw the same wrong group are one entry).
+
+        The length depends on the number of kinds, not on the world size, so a wrong layout at
+        world 64 or 1,024 reads like one at world 8.
+        """
+        kinds = self.kinds()
+        affected = self.ranks_affected()
+        head = (
+            f"{len(kinds)} of {len(self.checked)} kinds checked differ ({', '.join(kinds)}) "
+            f"on {_count(affected)} against {self.expected}:"
+        )
+        return [head, *(f"  {line}" for kind in kinds for line in self._kind_lines(kind, limit))]
+
+    def _kind_lines(self, kind: str, limit: int) -> list[str]:
+        found = [m for m in self.mismatches if m.kind == kind]
+        if len(found) == 1:
+            return [str(found[0])]
+        out: list[str] = []
+        wrong = [m for m in found if m.aspect in ("members", "missing")]
+        if wrong:
+            who = sorted({r for m in wrong for r in m.ranks})
+            out.append(
+                f"{kind}: {_count(who)} in the wrong group ({format_ranks(who)}); expected "
+                f"{_groups_text([m.expected for m in wrong], limit)}; observed "
+                f"{_groups_text([m.observed for m in wrong], limit)}"
+            )
+        for aspect in ("local_rank", "proof", "unexpected"):
+            some = [m for m in found if m.aspect == aspect]
+            if some:
+                who = sorted({r for m in some for r in m.ranks})
+                out.append(f"{kind}: {format_ranks(who)} [{aspect}]: {len(some)} distinct findings")
+        out += [f"  {m}" for m in found[:limit]]
+        if len(found) > limit:
+            out.append(f"  ... {len(found) - limit} more for {kind}")
+        return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _count(ranks: Sequence[int]) -> str:
+    return f"{len(ranks)} rank" + ("" if len(ranks) == 1 else "s")
+
+
+def _groups_text(groups: Sequence[Group | None], limit: int) -> str:
+    real = sorted({g for g in groups if g is not None})
+    none = any(g is None for g in groups)
+    if not real:
+        return "no group"
+    text = format_groups(real, limit)
+    return text + (" and no group on some ranks" if none else "")
 
 
 def format_ranks(ranks: Sequence[int]) -> str:

@@ -1,4 +1,4 @@
-"""The ``meshsim`` command line: ``show``, ``diff``, ``verify`` and ``sweep``."""
+"""The ``meshsim`` command line: ``show``, ``diff``, ``verify``, ``sweep`` and ``list``."""
 
 from meshsim.cli.main import main
 

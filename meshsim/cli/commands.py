@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,7 +67,9 @@ def show(args: argparse.Namespace) -> int:
                 write(page, path)
                 out.print(f"wrote {path} ({len(page.panels)} panels)")
     if args.json:
-        render.print_json(render.show_json(expected, rows, args.gpus_per_node))
+        render.print_json(
+            {"verb": "show", "exit_code": 0, **render.show_json(expected, rows, args.gpus_per_node)}
+        )
         return 0
     render.show(
         out,
@@ -114,6 +117,8 @@ def diff(args: argparse.Namespace) -> int:
     if args.json:
         render.print_json(
             {
+                "verb": "diff",
+                "exit_code": 1 if differ else 0,
                 "world_size": world,
                 "a": {"framework": a.framework, "config": dict(a.config)},
                 "b": {"framework": b.framework, "config": dict(b.config)},
@@ -205,19 +210,28 @@ def verify(args: argparse.Namespace) -> int:
     config = _config(args, args.framework, world)
     expected = expect(args.framework, world, **config)  # bad config: exit 2 before any rank runs
     verify_fn = _verify_api()
+    started = time.perf_counter()
     try:
         result = verify_fn(
             args.framework, world, args.backend, real=args.real, timeout=args.timeout, **config
         )
     except ModuleNotFoundError as exc:
         raise UsageError(_missing_framework(args.framework, exc)) from None
+    wall = time.perf_counter() - started
     quiet = launched is not None and launched[0] != 0
     out = render.console(stderr=args.json, quiet=quiet)
     if args.json:
         if not quiet:
-            render.print_json(result_json(result))
+            render.print_json(
+                {
+                    "verb": "verify",
+                    "exit_code": 0 if result.passed else 1,
+                    **result_json(result),
+                    "wall_seconds": wall,
+                }
+            )
         return 0 if result.passed else 1
-    print_result(out, result, expected)
+    print_result(out, result, expected, wall)
     return 0 if result.passed else 1
 
 
@@ -242,12 +256,16 @@ def kinds_checked(result: Any) -> list[str]:
     return list(checked.keys() if isinstance(checked, Mapping) else checked)
 
 
-def print_result(out: Any, result: Any, expected: Expected) -> None:
+def print_result(out: Any, result: Any, expected: Expected, wall: float | None = None) -> None:
+    """``wall`` is the whole call (rank or pool start included); ``result.seconds`` only the
+    slowest rank's build plus the diff. Both are printed, each saying what it measures."""
     mode = "real framework" if result.real else "meshsim's builder"
+    timing = f"{result.seconds:.2f} s build+check"
+    if wall is not None:
+        timing = f"{wall:.1f} s wall ({timing}; the rest starts the ranks)"
     out.print(
         f"[bold]{result.framework}[/bold] world_size={result.world_size} "
-        f"{render.config_text(expected.config)} on {result.backend} ({mode}), "
-        f"{result.seconds:.2f} s"
+        f"{render.config_text(expected.config)} on {result.backend} ({mode}), {timing}"
     )
     if result.error:
         out.print("[red]error[/red]: ", end="")
@@ -313,4 +331,83 @@ def result_json(result: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["diff", "show", "verify"]
+__all__ = ["diff", "list_conventions", "show", "verify"]
+
+
+# -- list ---------------------------------------------------------------------------------------
+def convention_catalogue(frameworks: list[str], world_size: int) -> list[dict[str, Any]]:
+    """Each convention's config keys and every kind its valid layouts at ``world_size`` build.
+
+    Kinds depend on the config (pipeline kinds appear only with pp > 1), so they are collected
+    over every layout ``meshsim.layouts`` enumerates, with the roles they serve.
+    """
+    from meshsim.model.sweep import layouts
+
+    out = []
+    for name in frameworks:
+        cf.check_framework(name)
+        kinds: dict[str, dict[str, Any]] = {}
+        for case in layouts(world_size, name):
+            expected = expect(name, world_size, **case.config)
+            roles: dict[str, list[str]] = {}
+            for role, kind in expected.roles.items():
+                roles.setdefault(kind, []).append(role)
+            for kind in [*expected.kinds(), *expected.unavailable()]:
+                entry = kinds.setdefault(
+                    kind, {"name": kind, "description": "", "roles": [], "layouts": 0}
+                )
+                ref = expected.kind(kind)
+                entry["description"] = entry["description"] or (
+                    ref.description if ref.available else ""
+                )
+                entry["roles"] = sorted(set(entry["roles"]) | set(roles.get(kind, ())))
+                entry["layouts"] += 1
+        out.append(
+            {
+                "framework": name,
+                "config_keys": [
+                    {"key": key, "flag": cf.flag(key), "help": text}
+                    for key, text in cf.parameters(name).items()
+                ],
+                "kinds": list(kinds.values()),
+                "layouts": len(layouts(world_size, name)),
+            }
+        )
+    return out
+
+
+def list_conventions(args: argparse.Namespace) -> int:
+    world = 8
+    catalogue = convention_catalogue(args.frameworks or _all_frameworks(), world)
+    if args.json:
+        render.print_json(
+            {"verb": "list", "exit_code": 0, "world_size": world, "conventions": catalogue}
+        )
+        return 0
+    out = render.console()
+    for entry in catalogue:
+        out.print(
+            f"[bold]{entry['framework']}[/bold]  ({entry['layouts']} valid layouts at world "
+            f"{world}: meshsim sweep -n {world} --framework {entry['framework']})"
+        )
+        keys = Table(header_style="bold", title=None)
+        for title in ("config key", "flag", "meaning"):
+            keys.add_column(title, no_wrap=title != "meaning")
+        for key in entry["config_keys"]:
+            keys.add_row(key["key"], key["flag"], key["help"])
+        out.print(keys)
+        kinds = Table(header_style="bold")
+        for title in ("kind", "roles", f"in layouts (of {entry['layouts']})", "description"):
+            kinds.add_column(title, no_wrap=title != "description")
+        for kind in entry["kinds"]:
+            kinds.add_row(
+                kind["name"], ", ".join(kind["roles"]), str(kind["layouts"]), kind["description"]
+            )
+        out.print(kinds)
+    return 0
+
+
+def _all_frameworks() -> list[str]:
+    from meshsim.model.conventions import CONVENTIONS
+
+    return list(CONVENTIONS)

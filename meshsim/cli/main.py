@@ -1,4 +1,4 @@
-"""The ``meshsim`` command: show, diff, verify and sweep rank layouts."""
+"""The ``meshsim`` command: show, diff, verify, sweep and list rank layouts."""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ from typing import NoReturn
 from meshsim.cli import config_flags as cf
 from meshsim.errors import LayoutError, UsageError
 
-VERBS = ("show", "diff", "verify", "sweep")
+VERBS = ("show", "diff", "verify", "sweep", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
-#: ``sweep``'s default tier. Measured on ``meshsim sweep --world-size 8`` (759 layouts, 2 cores):
-#: fake needs ~43 s of CPU in all (~25 s wall with its default -j 2); threaded about as much CPU
-#: but twice the wall time; gloo ~7x the CPU (~9 min), so gloo is opt-in.
+#: ``sweep``'s default tier: fake checks every group of every layout without communicating, and
+#: costs several times less than gloo per layout (benchmarks/ section 4), so real communication
+#: runs on a sample (``--communicate N``) or, with ``--backend gloo``, on everything.
 SWEEP_BACKEND = "fake"
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
 )
 
 EPILOG = """\
-FRAMEWORK's own config flags are listed by: meshsim VERB FRAMEWORK --help
+FRAMEWORK's own config flags are listed by: meshsim VERB FRAMEWORK --help (or meshsim list)
+--json on every verb: stdout is one JSON object (tables and progress go to stderr) with at least
+"verb" and "exit_code"; sweep's --json FILE writes the same object to FILE instead.
 exit codes: 0 ok (diff: layouts agree on every shared role), 1 mismatch (diff: they differ),
 2 bad input (unknown framework or flag, invalid config: one line on stderr)."""
 
@@ -224,8 +226,16 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         choices=BACKENDS,
         default=SWEEP_BACKEND,
         help=f"default {SWEEP_BACKEND!r}: builds and checks every group of every layout "
-        "without communicating; all 759 layouts of world 8 take ~25 s on 2 cores. gloo also "
-        "proves each group by an all-gather but costs ~7x more (~9 min for world 8)",
+        "without communicating. threaded and gloo also prove each group by an all-gather and "
+        "cost several times more per layout; see --communicate",
+    )
+    sweep.add_argument(
+        "--communicate",
+        type=_non_negative("--communicate"),
+        default=0,
+        metavar="N",
+        help="also run N evenly spaced layouts of each convention on threaded and gloo, "
+        "proving their groups by real all-gathers, and fail when a tier disagrees (default 0)",
     )
     sweep.add_argument(
         "--cross-check",
@@ -234,8 +244,19 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "observes a different group anywhere",
     )
     sweep.add_argument("--timeout", type=_positive_float("--timeout"), default=120.0, metavar="S")
-    sweep.add_argument("--json", metavar="FILE", help="write every result as JSON")
-    sweep.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report")
+    sweep.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="print every result as one JSON object on stdout, or write it to FILE "
+        "(also written, marked interrupted, on Ctrl-C or SIGTERM)",
+    )
+    sweep.add_argument(
+        "--junit-xml",
+        metavar="FILE",
+        help="write a JUnit XML report (also on Ctrl-C or SIGTERM, with an 'interrupted' error)",
+    )
     sweep.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
     sweep.add_argument(
         "--jobs",
@@ -252,6 +273,16 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         metavar="N",
         help="only the first N layouts of each framework",
     )
+
+    listing = sub(
+        "list",
+        "the conventions meshsim knows: their config keys (with defaults) and their kinds",
+        commands.list_conventions,
+    )
+    listing.add_argument(
+        "frameworks", nargs="*", metavar="FRAMEWORK", help=f"only these (default all): {known}"
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
 
@@ -286,6 +317,19 @@ def _positive(name: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{name} takes an integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
         return value
 
     return parse

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
+import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,6 +25,10 @@ from meshsim.model.conventions import CONVENTIONS
 from meshsim.model.sweep import LayoutCase, layouts
 
 TIERS = ("fake", "threaded", "gloo")
+#: Tiers that move data: each group is proven by an all-gather over it.
+COMMUNICATING = ("threaded", "gloo", "nccl")
+#: Seconds between progress lines when stderr is not a terminal (a log file, CI).
+PROGRESS_EVERY = 5.0
 #: Tiers whose runs live in one process, so several cases can run side by side in workers.
 PARALLEL_TIERS = ("fake", "threaded")
 
@@ -96,6 +102,40 @@ def collect_cases(
     return cases
 
 
+def sample(cases: Sequence[LayoutCase], per_framework: int) -> list[int]:
+    """Indices of ``per_framework`` evenly spaced cases of each framework (first and last kept)."""
+    by_framework: dict[str, list[int]] = {}
+    for index, case in enumerate(cases):
+        by_framework.setdefault(case.framework, []).append(index)
+    chosen: list[int] = []
+    for indices in by_framework.values():
+        k = min(per_framework, len(indices))
+        if k == 1:
+            chosen.append(indices[0])
+        elif k > 1:
+            chosen += sorted({indices[round(i * (len(indices) - 1) / (k - 1))] for i in range(k)})
+    return chosen
+
+
+def plan(args: argparse.Namespace, cases: Sequence[LayoutCase]) -> list[tuple[str, list[int]]]:
+    """(tier, case indices) in run order: the chosen tier on every case, then the samples."""
+    if args.cross_check:
+        return [(tier, list(range(len(cases)))) for tier in TIERS]
+    steps = [(args.backend, list(range(len(cases))))]
+    if args.communicate:
+        chosen = sample(cases, args.communicate)
+        steps += [(tier, chosen) for tier in ("threaded", "gloo") if tier != args.backend]
+    return steps
+
+
+class _Interrupted(Exception):
+    """SIGTERM, turned into an exception so the partial report is still written."""
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import meshsim.verify  # noqa: F401
@@ -104,40 +144,130 @@ def run(args: argparse.Namespace) -> int:
     cases = collect_cases(args.world_size, args.frameworks, args.limit)
     if not cases:
         raise UsageError(f"no valid layouts for world size {args.world_size}")
-    tiers = TIERS if args.cross_check else (args.backend,)
+    steps = plan(args, cases)
+    tiers = [tier for tier, _ in steps]
     outcomes = [Outcome(case) for case in cases]
-    out = render.console()
+    to_stdout = args.json == "-"
+    out = render.console(stderr=to_stdout)
     started = time.perf_counter()
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=render.console(stderr=True)) as progress:
-        for tier in tiers:
-            task = progress.add_task(f"{tier:>8}", total=len(cases))
-            for index, result in results(cases, tier, args.timeout, args.jobs):
-                outcomes[index].results[tier] = result
-                progress.advance(task)
-                if args.fail_fast and not result.passed:
+    interrupted: str | None = None
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        with _progress(render.console(stderr=True), started) as progress:
+            for tier, indices in steps:
+                progress.start(tier, len(indices))
+                chosen = [cases[i] for i in indices]
+                for index, result in results(chosen, tier, args.timeout, args.jobs):
+                    outcomes[indices[index]].results[tier] = result
+                    progress.advance(tier, result.passed)
+                    if args.fail_fast and not result.passed:
+                        break
+                progress.finish(tier)
+                if args.fail_fast and any(not o.passed for o in outcomes if o.results):
                     break
-            if args.fail_fast and any(not o.passed for o in outcomes if o.results):
-                break
+    except KeyboardInterrupt:
+        interrupted = "SIGINT"
+    except _Interrupted as exc:
+        interrupted = str(exc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     elapsed = time.perf_counter() - started
     done = [o for o in outcomes if o.results]
-    summary_table(out, done, tiers, elapsed)
+    report = Report(args.world_size, tiers, done, len(cases), elapsed, interrupted)
+    summary_table(out, report)
     failures = [o for o in done if not o.passed]
     for o in failures[:10]:
         out.print(f"[red]FAIL[/red] {o.case.id}", markup=True)
         out.print(o.message(), markup=False)
     if len(failures) > 10:
         out.print(f"... {len(failures) - 10} more failures")
+    if interrupted:
+        out.print(
+            f"[yellow]interrupted by {interrupted}[/yellow] after {len(done)} of "
+            f"{len(cases)} layouts; the reports hold what finished"
+        )
     if args.json:
-        write_json(args.json, args, done, elapsed)
+        write_json(args.json, report)
     if args.junit_xml:
-        write_junit(args.junit_xml, done, tiers, elapsed)
+        write_junit(args.junit_xml, report)
+    if interrupted:
+        return 130 if interrupted == "SIGINT" else 143
     return 1 if failures else 0
+
+
+@dataclass
+class Report:
+    """What a sweep did, finished or not: the input of the table, JSON and JUnit writers."""
+
+    world_size: int
+    tiers: list[str]
+    outcomes: list[Outcome]
+    total: int  # layouts the sweep was asked to verify
+    elapsed: float  # wall seconds of the whole sweep, pool starts included
+    interrupted: str | None = None  # the signal that stopped it, None when it ran to the end
+
+
+class _Progress:
+    """Progress on stderr: a live bar on a terminal, else a plain line every few seconds."""
+
+    def __init__(self, console: Any, started: float) -> None:
+        self.console = console
+        self.started = started
+        self.live = console.is_terminal
+        self.bar: Progress | None = None
+        self.tasks: dict[str, Any] = {}
+        self.counts: dict[str, list[int]] = {}
+        self.last = 0.0
+
+    def __enter__(self) -> _Progress:
+        if self.live:
+            columns = (
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            )
+            self.bar = Progress(*columns, console=self.console)
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+    def start(self, tier: str, total: int) -> None:
+        self.counts[tier] = [0, 0, total]
+        if self.bar is not None:
+            self.tasks[tier] = self.bar.add_task(f"{tier:>8}", total=total)
+        else:
+            self._line(tier, "started")
+
+    def advance(self, tier: str, passed: bool) -> None:
+        count = self.counts[tier]
+        count[0] += 1
+        count[1] += not passed
+        if self.bar is not None:
+            self.bar.advance(self.tasks[tier])
+        elif time.monotonic() - self.last >= PROGRESS_EVERY:
+            self._line(tier, "")
+
+    def finish(self, tier: str) -> None:
+        if self.bar is None:
+            self._line(tier, "done")
+
+    def _line(self, tier: str, note: str) -> None:
+        done, failed, total = self.counts[tier]
+        self.last = time.monotonic()
+        print(
+            f"meshsim sweep: {tier} {done}/{total} layouts, {failed} failed, "
+            f"{time.perf_counter() - self.started:.0f} s{' ' + note if note else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _progress(console: Any, started: float) -> _Progress:
+    return _Progress(console, started)
 
 
 def results(
@@ -173,35 +303,120 @@ def default_jobs() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-def summary_table(out: Any, outcomes: list[Outcome], tiers: Sequence[str], elapsed: float) -> None:
-    table = Table(title=f"sweep on {', '.join(tiers)} ({elapsed:.1f} s)", header_style="bold")
-    for title in ("framework", "layouts", "passed", "failed", "tiers disagree", "seconds"):
-        table.add_column(title, justify="left" if title == "framework" else "right")
-    by_framework: dict[str, list[Outcome]] = {}
-    for o in outcomes:
-        by_framework.setdefault(o.case.framework, []).append(o)
-    for name, group in [*by_framework.items(), ("total", outcomes)]:
-        failed = sum(not o.passed for o in group)
+def proven_groups(result: Any) -> int:
+    """Distinct groups an all-gather over the group confirmed (0 on fake, which cannot)."""
+    seen = set()
+    for observation in getattr(result, "observations", None) or ():
+        for name, view in observation.groups.items():
+            if view.gathered is not None and view.gathered == view.members:
+                seen.add((name, view.members))
+    return len(seen)
+
+
+def tier_rows(report: Report) -> list[dict[str, Any]]:
+    """One row per (convention, tier): layouts verified, passed, failed, groups proven."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for o in report.outcomes:
+        for tier, result in o.results.items():
+            row = rows.setdefault(
+                (o.case.framework, tier),
+                {
+                    "framework": o.case.framework,
+                    "tier": tier,
+                    "layouts": 0,
+                    "passed": 0,
+                    "failed": 0,
+                    "groups_proven": 0,
+                    "build_seconds": 0.0,
+                },
+            )
+            row["layouts"] += 1
+            row["passed" if result.passed else "failed"] += 1
+            row["groups_proven"] += proven_groups(result)
+            row["build_seconds"] += result.seconds
+    order = {t: i for i, t in enumerate(report.tiers)}
+    return sorted(rows.values(), key=lambda r: (r["framework"], order.get(r["tier"], 99)))
+
+
+def summary_table(out: Any, report: Report) -> None:
+    """Convention x tier: what was verified where, and what was proven by communication."""
+    state = f", interrupted by {report.interrupted}" if report.interrupted else ""
+    table = Table(
+        title=f"sweep of world {report.world_size} on {', '.join(report.tiers)}: "
+        f"{len(report.outcomes)} of {report.total} layouts in {report.elapsed:.1f} s wall{state}",
+        header_style="bold",
+    )
+    titles = (
+        "framework",
+        "tier",
+        "layouts",
+        "passed",
+        "failed",
+        "groups proven by all-gather",
+        "build+check s (sum)",
+    )
+    for title in titles:
+        table.add_column(title, justify="left" if title in ("framework", "tier") else "right")
+    rows = tier_rows(report)
+    previous = None
+    for row in rows:
+        proven = row["groups_proven"] if row["tier"] in COMMUNICATING else "– (no comm.)"
         table.add_row(
-            f"[bold]{name}[/bold]" if name == "total" else name,
-            str(len(group)),
-            str(len(group) - failed),
-            f"[red]{failed}[/red]" if failed else "0",
-            str(sum(not o.agree for o in group)) if len(tiers) > 1 else "–",
-            f"{sum(o.seconds for o in group):.1f}",
+            row["framework"] if row["framework"] != previous else "",
+            row["tier"],
+            str(row["layouts"]),
+            str(row["passed"]),
+            f"[red]{row['failed']}[/red]" if row["failed"] else "0",
+            str(proven),
+            f"{row['build_seconds']:.1f}",
         )
+        previous = row["framework"]
+    failed = sum(not o.passed for o in report.outcomes)
+    disagree = sum(not o.agree for o in report.outcomes)
+    table.add_section()
+    table.add_row(
+        "[bold]total[/bold]",
+        "",
+        str(len(report.outcomes)),
+        str(len(report.outcomes) - failed),
+        f"[red]{failed}[/red]" if failed else "0",
+        str(sum(r["groups_proven"] for r in rows)),
+        f"{sum(r['build_seconds'] for r in rows):.1f}",
+    )
     out.print(table)
+    compared = sum(len(o.results) > 1 for o in report.outcomes)
+    out.print(
+        "[dim]fake builds every group and compares it with the reference, without "
+        "communicating; threaded and gloo also prove each group by an all-gather over it. "
+        "build+check s: summed per-layout time of the slowest rank's build plus the diff "
+        "(excludes process and pool start; the wall time above includes them).[/dim]"
+    )
+    if compared:
+        out.print(
+            f"tiers compared on {compared} layouts: "
+            + ("[green]all agree[/green]" if not disagree else f"[red]{disagree} disagree[/red]")
+        )
 
 
-def write_json(
-    path: str, args: argparse.Namespace, outcomes: list[Outcome], elapsed: float
-) -> None:
-    data = {
-        "world_size": args.world_size,
-        "tiers": list(next(iter(outcomes)).results) if outcomes else [],
-        "seconds": elapsed,
-        "passed": sum(o.passed for o in outcomes),
-        "failed": sum(not o.passed for o in outcomes),
+def report_json(report: Report) -> dict[str, Any]:
+    """The sweep's JSON document (``--json``): the same shape finished or interrupted."""
+    return {
+        "verb": "sweep",
+        "world_size": report.world_size,
+        "tiers": report.tiers,
+        "seconds": report.elapsed,
+        "complete": report.interrupted is None and len(report.outcomes) == report.total,
+        "interrupted": report.interrupted,
+        "layouts_total": report.total,
+        "layouts_done": len(report.outcomes),
+        "passed": sum(o.passed for o in report.outcomes),
+        "failed": sum(not o.passed for o in report.outcomes),
+        "exit_code": (
+            (130 if report.interrupted == "SIGINT" else 143)
+            if report.interrupted
+            else int(any(not o.passed for o in report.outcomes))
+        ),
+        "summary": tier_rows(report),
         "results": [
             {
                 "id": o.case.id,
@@ -211,29 +426,54 @@ def write_json(
                 "agree": o.agree,
                 "tiers": {tier: result_json(r) for tier, r in o.results.items()},
             }
-            for o in outcomes
+            for o in report.outcomes
         ],
     }
-    with open(path, "w", encoding="utf-8") as stream:
+
+
+def write_json(path: str, report: Report) -> None:
+    """``-`` prints to stdout; else the file is written whole, then renamed into place."""
+    data = report_json(report)
+    if path == "-":
+        render.print_json(data)
+        return
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as stream:
         render.print_json(data, stream)
+    os.replace(partial, path)
 
 
-def write_junit(path: str, outcomes: list[Outcome], tiers: Sequence[str], elapsed: float) -> None:
-    """One testcase per layout (classname meshsim.sweep.<framework>), a failure per mismatch."""
+def write_junit(path: str, report: Report) -> None:
+    """One testcase per layout (classname meshsim.sweep.<framework>), a failure per mismatch;
+    an interrupted sweep adds an ``interrupted`` property and one error naming the signal."""
+    outcomes = report.outcomes
     failed = sum(not o.passed for o in outcomes)
+    errors = 1 if report.interrupted else 0
     suites = ET.Element(
-        "testsuites", tests=str(len(outcomes)), failures=str(failed), time=f"{elapsed:.3f}"
+        "testsuites",
+        tests=str(len(outcomes) + errors),
+        failures=str(failed),
+        errors=str(errors),
+        time=f"{report.elapsed:.3f}",
     )
     suite = ET.SubElement(
         suites,
         "testsuite",
-        name=f"meshsim sweep ({', '.join(tiers)})",
-        tests=str(len(outcomes)),
+        name=f"meshsim sweep ({', '.join(report.tiers)})",
+        tests=str(len(outcomes) + errors),
         failures=str(failed),
-        errors="0",
+        errors=str(errors),
         skipped="0",
-        time=f"{elapsed:.3f}",
+        time=f"{report.elapsed:.3f}",
     )
+    properties = ET.SubElement(suite, "properties")
+    for name, value in (
+        ("world_size", report.world_size),
+        ("layouts_total", report.total),
+        ("layouts_done", len(outcomes)),
+        ("interrupted", report.interrupted or ""),
+    ):
+        ET.SubElement(properties, "property", name=name, value=str(value))
     for o in outcomes:
         case = ET.SubElement(
             suite,
@@ -246,4 +486,14 @@ def write_junit(path: str, outcomes: list[Outcome], tiers: Sequence[str], elapse
             text = o.message()
             failure = ET.SubElement(case, "failure", message=text.splitlines()[0] if text else "")
             failure.text = text
-    ET.ElementTree(suites).write(Path(path), encoding="utf-8", xml_declaration=True)
+    if report.interrupted:
+        case = ET.SubElement(suite, "testcase", classname="meshsim.sweep", name="interrupted")
+        ET.SubElement(
+            case,
+            "error",
+            message=f"sweep interrupted by {report.interrupted} after {len(outcomes)} of "
+            f"{report.total} layouts",
+        )
+    partial = f"{path}.partial"
+    ET.ElementTree(suites).write(Path(partial), encoding="utf-8", xml_declaration=True)
+    os.replace(partial, path)

@@ -2,7 +2,7 @@
 
 from meshsim.model.conventions import CONVENTIONS, expect
 from meshsim.model.expected import ROLES, Expected, Kind
-from meshsim.model.groups import Group, Groups
+from meshsim.model.groups import Group, Groups, RankGroup
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import LayoutCase, layouts
 
@@ -15,6 +15,7 @@ __all__ = [
     "Kind",
     "Layout",
     "LayoutCase",
+    "RankGroup",
     "expect",
     "layouts",
 ]

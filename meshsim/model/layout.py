@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshsim.errors import LayoutError
-from meshsim.model.groups import Group, Groups
+from meshsim.model.groups import Group, Groups, RankGroup
 
 AxisSpec = tuple[str, int]
 
@@ -285,7 +285,7 @@ class Layout:
         axes = self._resolve(dims)
         root = self._root_coordinate(rank)
         index = tuple(slice(None) if a in axes else root[a] for a in range(self._grid.ndim))
-        return tuple(self._grid[index].ravel().tolist())
+        return RankGroup(self._grid[index].ravel().tolist())
 
     def local_rank(self, rank: int, *dims: str | int) -> int:
         """``rank``'s index inside its group spanning ``dims``."""
@@ -310,7 +310,7 @@ class Layout:
             if not 0 <= value < self._grid.shape[axes[0]]:
                 return ()
             index[axes[0]] = value
-        return tuple(self._grid[tuple(index)].ravel().tolist())
+        return RankGroup(self._grid[tuple(index)].ravel().tolist())
 
     # -- whole families, vectorised -------------------------------------------------------
     def groups_array(self, *dims: str | int) -> npt.NDArray[np.int64]:

@@ -104,7 +104,7 @@ def test_sweep_fake_json_and_junit(tmp_path: Path) -> None:
         str(junit),
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "sweep on fake" in result.stdout
+    assert "sweep of world 4 on fake" in result.stdout
     data = json.loads(report.read_text())
     cases = meshsim.layouts(4, "olmo-core")
     assert len(cases) > verify_module.FAKE_BATCH
@@ -120,7 +120,7 @@ def test_sweep_fake_json_and_junit(tmp_path: Path) -> None:
 def test_sweep_cross_check_runs_every_tier() -> None:
     result = run_cli("sweep", "-n", "2", "--framework", "torch", "--cross-check")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "sweep on fake, threaded, gloo" in result.stdout
+    assert "sweep of world 2 on fake, threaded, gloo" in result.stdout
     total = next(line for line in result.stdout.splitlines() if "total" in line)
     assert [c.strip() for c in total.strip("│").split("│")][1:5] == ["4", "4", "0", "0"]
 
