@@ -109,9 +109,9 @@ def _with_override(shape: tuple[int, ...], names: tuple[str, ...], override: Any
         name = value if isinstance(value, str) else None
         if isinstance(value, (tuple, list)) and value and isinstance(value[0], str):
             name = value[0]
-        if name and "," not in name and ":" not in name:
-            if name not in dist.Backend.backend_type_map:
-                raise FrameworkRejection(f"Unknown backend type {name}", upstream="AssertionError")
+        plain = name and "," not in name and ":" not in name
+        if plain and name not in dist.Backend.backend_type_map:
+            raise FrameworkRejection(f"Unknown backend type {name}", upstream="AssertionError")
     device = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
     try:  # a copy: torch pops the keys it uses from the caller's dict
         return init_device_mesh(

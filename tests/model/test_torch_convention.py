@@ -189,18 +189,22 @@ def test_backend_override_forms_match_init_device_mesh(
             meshsim.expect("torch", 8, **config)
         assert caught.value.upstream == upstream
 
-    def body() -> str:  # torch itself, no builder in between
+    def body() -> str:  # torch itself, no builder in between (a copy: torch pops its keys)
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
         from torch.distributed.device_mesh import init_device_mesh
 
         try:
-            init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"), backend_override=override)
+            init_device_mesh(
+                "cpu", (2, 4), mesh_dim_names=("dp", "tp"), backend_override=dict(override)
+            )
         except Exception as error:
             return type(error).__name__
         return "built"
 
     assert meshsim.run(body, 8, backend="fake", ranks=[0]) == [upstream or "built"]
-    result = meshsim.verify.verify("torch", 8, "fake", **config)
+    from meshsim.verify import verify
+
+    result = verify("torch", 8, "fake", **config)
     assert result.passed, str(result)
     assert bool(result.rejected) == (upstream is not None)
 

@@ -28,7 +28,7 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "mesh": "an explicit rank tensor (nested lists) instead of mesh_shape",
     "ops": "flatten/unflatten operations, e.g. ['flatten dp,cp -> dp_cp']",
     "roles": "role -> kind overrides, e.g. {'tensor': 'tp'}",
-    "backend_override": "init_device_mesh's per-dim backend, e.g. {'tp': 'fake', 0: ('gloo', None)}",
+    "backend_override": "init_device_mesh's per-dim backend, e.g. {'tp': 'fake', 0: 'gloo'}",
 }
 
 #: ``DeviceMesh.get_local_rank()`` / ``get_group()`` with no ``mesh_dim``, on the root mesh.
