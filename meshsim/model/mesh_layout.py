@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -330,6 +331,23 @@ def root_modes(layout: Layout) -> tuple[tuple[Mode, ...], Ranks]:
     position, its row-major ravel being the rank map, as ``DeviceMesh(mesh=...)`` stores it.
     """
     grid = layout.mesh
+    cached = _ROOT_MODES.get(id(grid))
+    if cached is not None and cached[0]() is grid:
+        return cached[1], cached[2]
+    modes, rank_map = _derive_root_modes(grid)
+    rank_map.flags.writeable = False
+    if len(_ROOT_MODES) >= 64:
+        _ROOT_MODES.clear()
+    _ROOT_MODES[id(grid)] = (weakref.ref(grid), modes, rank_map)
+    return modes, rank_map
+
+
+#: id(grid) -> (weak ref to the grid, modes, rank map). Grids are read-only and shared by every
+#: view of a root, so the O(world) strided-ness check runs once per root, not once per query.
+_ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[Mode, ...], Ranks]] = {}
+
+
+def _derive_root_modes(grid: Ranks) -> tuple[tuple[Mode, ...], Ranks]:
     shape = tuple(int(s) for s in grid.shape)
     unit = [tuple(1 if j == i else 0 for j in range(grid.ndim)) for i in range(grid.ndim)]
     strides = [int(grid[unit[i]]) if shape[i] > 1 else 0 for i in range(grid.ndim)]
