@@ -33,10 +33,7 @@ PARAMETERS: Final[Mapping[str, str]] = {
 
 #: ``DeviceMesh.get_local_rank()`` / ``get_group()`` with no ``mesh_dim``, on the root mesh.
 LOCAL_RANK_KIND: Final = "get_local_rank"
-_LOCAL_RANK_DESCRIPTION: Final = (
-    "get_local_rank() / get_group() with no mesh_dim: the 1-D root mesh's only dim "
-    "(RuntimeError on an N-D mesh)"
-)
+_LOCAL_RANK_DESCRIPTION: Final = "get_local_rank() / get_group(), no mesh_dim: 1-D root only"
 
 _ROLE_CANDIDATES: Final[Mapping[str, tuple[str, ...]]] = {
     "data_parallel": ("dp", "batch", "data", "dp_replicate_dp_shard", "dp_shard", "dp_replicate"),
