@@ -3,7 +3,9 @@
 Run on demand: ``python benchmarks/reference_scaling.py [--json out.json]``.
 For each world size it times (a) every single-axis group family of a 5-D Layout, (b) every
 pair-of-axes family (flattened dims), (c) a per-rank query on the last rank, and (d) every
-kind of Megatron's ``expect`` (all of its groups, materialised as arrays).
+kind of Megatron's ``expect`` (all of its groups, materialised as arrays), and (e) the same
+single axes and pairs in torch's own terms: each dim's ``_MeshLayout`` and its global ranks
+(``meshsim.model.mesh_layout``), as arrays.
 The same workloads side by side with megatron-core's ``RankGenerator`` and DeepSpeed's
 ``ProcessTopology`` (same groups, cross-checked) are section 2 of ``benchmarks/run.py``.
 """
@@ -72,6 +74,16 @@ def run(exponents: list[int], repeat: int) -> list[dict[str, Any]]:
             for kind in expected.kinds():
                 expected.groups(kind).array  # noqa: B018 - materialise every kind
 
+        def torch_algebra(
+            layout: Layout = layout, world: int = world, names: tuple[str, ...] = names
+        ) -> None:
+            # torch's terms: each dim's _FlatLayout, then its global ranks (complement offsets
+            # + the layout's own ranks), every single dim and every pair flattened.
+            for name in names:
+                layout.mesh_layout(name)[0].global_ranks(world)
+            for pair in itertools.combinations(names, 2):
+                layout.mesh_layout(*pair).collapse().global_ranks(world)
+
         layout_4d = Layout(pp=pp, dp=dp * ep, cp=cp, tp=tp)
 
         def four_d(layout: Layout = layout_4d) -> None:
@@ -85,6 +97,7 @@ def run(exponents: list[int], repeat: int) -> list[dict[str, Any]]:
             "all_axis_pair_groups_5d_s": _median_seconds(axis_pairs, repeat),
             "all_single_axis_groups_4d_s": _median_seconds(four_d, repeat),
             "per_rank_group_of_all_axes_s": _median_seconds(per_rank, repeat),
+            "torch_algebra_axes_and_pairs_5d_s": _median_seconds(torch_algebra, repeat),
         }
         try:
             row["megatron_expect_all_kinds_s"] = _median_seconds(megatron_all_kinds, repeat)
@@ -106,7 +119,7 @@ def main() -> None:
     if exponents[-1] != args.max_exp:
         exponents.append(args.max_exp)
     rows = run(exponents, args.repeat)
-    columns = ("5-D axes", "5-D pairs", "4-D axes", "per-rank", "megatron")
+    columns = ("5-D axes", "5-D pairs", "4-D axes", "per-rank", "megatron", "torch alg.")
     print(f"{'world':>9} {'5-D shape':>22} " + " ".join(f"{c:>10}" for c in columns))
     for r in rows:
         meg = r["megatron_expect_all_kinds_s"]
@@ -117,7 +130,8 @@ def main() -> None:
             f"{r['all_axis_pair_groups_5d_s'] * 1e3:8.1f}ms "
             f"{r['all_single_axis_groups_4d_s'] * 1e3:8.1f}ms "
             f"{r['per_rank_group_of_all_axes_s'] * 1e6:8.1f}us "
-            f"{meg_text:>10}"
+            f"{meg_text:>10} "
+            f"{r['torch_algebra_axes_and_pairs_5d_s'] * 1e3:8.1f}ms"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh
+from meshsim.builders.real._shims import register_fake_backend
 from meshsim.checks import Observation
-from meshsim.model.conventions.torch_mesh import _parse_op
+from meshsim.model.conventions.torch_mesh import LOCAL_RANK_KIND, _parse_op
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:
@@ -39,13 +40,27 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
             raise FrameworkRejection(
                 f"{verb} names dims {wanted} that no mesh view holds together", upstream=None
             )
-    entries: dict[str, Entry] = {}
+    entries: dict[str, Entry] = {LOCAL_RANK_KIND: _local_rank_group(views[0])}
     for view in views:
         for dim in view.mesh_dim_names or ():
             entries.setdefault(dim, view[dim])
         for name, flat in view._get_root_mesh()._flatten_mapping.items():
             entries.setdefault(name, flat)
     return collect(entries)
+
+
+def _local_rank_group(root: DeviceMesh) -> Entry:
+    """The group ``root.get_local_rank()`` indexes, or the error torch raises for it."""
+    try:
+        local = root.get_local_rank()
+    except RuntimeError as error:
+        return error
+    group = root.get_group()
+    if dist.get_rank(group) != local:
+        raise AssertionError(
+            f"get_local_rank() is {local} but this rank is {dist.get_rank(group)} in get_group()"
+        )
+    return group
 
 
 def _known(view: DeviceMesh) -> set[str]:
@@ -69,4 +84,38 @@ def _root(world_size: int, config: Mapping[str, Any]) -> DeviceMesh:
         raise FrameworkRejection(
             f"mesh_shape {shape} covers {math.prod(shape)} of {world_size} ranks", upstream=None
         )
-    return mesh(shape, tuple(names))
+    override = config.get("backend_override")
+    if override is None:
+        return mesh(shape, tuple(names))
+    return _with_override(shape, tuple(names), override)
+
+
+def _with_override(shape: tuple[int, ...], names: tuple[str, ...], override: Any) -> DeviceMesh:
+    """``init_device_mesh(..., backend_override=...)``; torch's refusals become rejections.
+
+    torch rejects a bad value only when it builds that dim's groups, some as TypeError or
+    AttributeError (a value that is no ``(backend, options)`` pair); those are the config's
+    fault, not the builder's, so they are reported with torch's exception type.
+    """
+    if not isinstance(override, Mapping):
+        raise FrameworkRejection(
+            f"backend_override must be a dict, got {type(override).__name__}", upstream=None
+        )
+    if "fake" in repr(override):
+        register_fake_backend()
+    for value in override.values():
+        # torch checks a name per group it creates, so ranks fail at different groups (a hang
+        # on a real backend); ask torch's own registry up front so every rank refuses alike.
+        name = value if isinstance(value, str) else None
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], str):
+            name = value[0]
+        plain = name and "," not in name and ":" not in name
+        if plain and name not in dist.Backend.backend_type_map:
+            raise FrameworkRejection(f"Unknown backend type {name}", upstream="AssertionError")
+    device = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
+    try:  # a copy: torch pops the keys it uses from the caller's dict
+        return init_device_mesh(
+            device, shape, mesh_dim_names=names, backend_override=dict(override)
+        )
+    except (TypeError, AttributeError) as error:
+        raise FrameworkRejection(str(error), upstream=type(error).__name__) from error

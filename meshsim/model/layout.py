@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshsim.errors import LayoutError
+from meshsim.model import mesh_layout as _ml
 from meshsim.model.groups import Group, Groups, RankGroup
 
 AxisSpec = tuple[str, int]
@@ -442,6 +443,8 @@ class Layout:
                 f"{self._dim_size(dim)}.",
                 upstream="ValueError",
             )
+        # torch splits by layout composition, which asserts on a split across non-adjacent axes.
+        _ml.mesh_layout_of(self, (dim,)).unflatten(0, sizes)
         kept = [d for d in self._dims if d != dim]
         _check_unique(kept + list(names))
         clash = [
@@ -478,6 +481,24 @@ class Layout:
 
     def _axes_names(self, dim: str) -> tuple[str, ...]:
         return tuple(self._names[a] for a in self._axes_of(dim))
+
+    # -- torch's own terms: sizes and strides (meshsim.model.mesh_layout) -----------------
+    def mesh_layout(self, *dims: str | int) -> _ml.MeshLayout:
+        """torch's ``DeviceMesh._layout`` for ``dims`` (all when none; an alias is one collapsed
+        dim), striding :meth:`rank_map`: ``Layout(dp=2, tp=4).mesh_layout("dp")`` is ``(2,):(4,)``.
+        """
+        return _ml.mesh_layout_of(self, dims)
+
+    def rank_map(self) -> npt.NDArray[np.int64]:
+        """The 1-D rank list :meth:`mesh_layout` strides over (``DeviceMesh._rank_map``)."""
+        return _ml.root_modes(self)[1]
+
+    @classmethod
+    def from_mesh_layout(
+        cls, layout: _ml.MeshLayout, names: Sequence[str], rank_map: npt.ArrayLike | None = None
+    ) -> Layout:
+        """The Layout of a torch-style ``_MeshLayout`` over ``rank_map`` (default ``0..N-1``)."""
+        return _ml.layout_from_mesh_layout(layout, names, rank_map)
 
     # -- value semantics ------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:

@@ -131,3 +131,86 @@ def test_reference_imports_without_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- get_local_rank() without a dim, and init_device_mesh's backend_override (torch 2.13) -------
+
+
+def test_get_local_rank_without_dim_on_1d_and_nd_meshes() -> None:
+    flat = meshsim.expect("torch", 8)
+    assert flat.groups("get_local_rank") == flat.groups("world")
+    assert [flat.local_rank(r, "get_local_rank") for r in range(8)] == list(range(8))
+    assert "get_local_rank()" in flat.kinds()["get_local_rank"]
+    grid = meshsim.expect("torch", 8, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"))
+    assert "get_local_rank" not in grid.kinds()
+    assert grid.unavailable()["get_local_rank"].upstream == "RuntimeError"
+
+    def body() -> list[object]:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        out: list[object] = [init_device_mesh("cpu", (8,)).get_local_rank()]
+        try:
+            init_device_mesh("cpu", (2, 4)).get_local_rank()
+        except Exception as error:
+            out.append(type(error).__name__)
+        return out
+
+    assert meshsim.run(body, 8, backend="fake") == [[r, "RuntimeError"] for r in range(8)]
+
+
+BACKEND_OVERRIDES = [
+    ({"tp": "fake"}, None),
+    ({1: "fake", 0: ("fake", None)}, None),
+    ({"dp": [None, None], "tp": ("fake", None)}, None),
+    ({}, None),
+    ({1: "fake", "tp": "fake"}, "RuntimeError"),  # index and name of one dim
+    ({2: "fake"}, "RuntimeError"),  # out of range
+    ({-1: "fake"}, "RuntimeError"),  # no negative indices
+    ({"pp": "fake"}, "RuntimeError"),  # not a dim name
+    ({"tp": 5}, "TypeError"),
+    ({"tp": None}, "TypeError"),
+    ({"tp": ("fake", None, None)}, "ValueError"),
+    ({"tp": (5, None)}, "ValueError"),
+    ({"tp": ("fake", "not options")}, "AttributeError"),
+    ({"tp": "no-such-backend"}, "AssertionError"),
+]
+
+
+@pytest.mark.parametrize(("override", "upstream"), BACKEND_OVERRIDES, ids=repr)
+def test_backend_override_forms_match_init_device_mesh(
+    override: dict[object, object], upstream: str | None
+) -> None:
+    config = {"mesh_shape": (2, 4), "mesh_dim_names": ("dp", "tp"), "backend_override": override}
+    if upstream is None:
+        expected = meshsim.expect("torch", 8, **config)
+        assert expected.groups("tp") == meshsim.expect("torch", 8, mesh_shape=(2, 4)).groups("dim1")
+    else:
+        with pytest.raises(LayoutError) as caught:
+            meshsim.expect("torch", 8, **config)
+        assert caught.value.upstream == upstream
+
+    def body() -> str:  # torch itself, no builder in between (a copy: torch pops its keys)
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        try:
+            init_device_mesh(
+                "cpu", (2, 4), mesh_dim_names=("dp", "tp"), backend_override=dict(override)
+            )
+        except Exception as error:
+            return type(error).__name__
+        return "built"
+
+    assert meshsim.run(body, 8, backend="fake", ranks=[0]) == [upstream or "built"]
+    from meshsim.verify import verify
+
+    result = verify("torch", 8, "fake", **config)
+    assert result.passed, str(result)
+    assert bool(result.rejected) == (upstream is not None)
+
+
+def test_backend_override_only_for_init_device_mesh() -> None:
+    with pytest.raises(LayoutError, match="init_device_mesh"):
+        meshsim.expect("torch", 4, mesh=[[0, 1], [2, 3]], backend_override={0: "fake"})
+    with pytest.raises(LayoutError, match="must be a dict"):
+        meshsim.expect("torch", 4, backend_override=["fake"])

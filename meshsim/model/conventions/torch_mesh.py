@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import _torch_backend, reject_unknown
 from meshsim.model.expected import ROLES, Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import ordered_factorizations
@@ -28,7 +28,12 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "mesh": "an explicit rank tensor (nested lists) instead of mesh_shape",
     "ops": "flatten/unflatten operations, e.g. ['flatten dp,cp -> dp_cp']",
     "roles": "role -> kind overrides, e.g. {'tensor': 'tp'}",
+    "backend_override": "init_device_mesh's per-dim backend, e.g. {'tp': 'fake', 0: 'gloo'}",
 }
+
+#: ``DeviceMesh.get_local_rank()`` / ``get_group()`` with no ``mesh_dim``, on the root mesh.
+LOCAL_RANK_KIND: Final = "get_local_rank"
+_LOCAL_RANK_DESCRIPTION: Final = "get_local_rank() / get_group(), no mesh_dim: 1-D root only"
 
 _ROLE_CANDIDATES: Final[Mapping[str, tuple[str, ...]]] = {
     "data_parallel": ("dp", "batch", "data", "dp_replicate_dp_shard", "dp_shard", "dp_replicate"),
@@ -44,6 +49,7 @@ _ROLE_CANDIDATES: Final[Mapping[str, tuple[str, ...]]] = {
 def expect(world_size: int, **config: Any) -> Expected:
     reject_unknown("torch", config, PARAMETERS)
     root = _root_layout(world_size, config)
+    override = _backend_override(root, config)
     views = [root]
     for op in config.get("ops", ()):
         _apply(views, _parse_op(op))
@@ -54,6 +60,7 @@ def expect(world_size: int, **config: Any) -> Expected:
             _add(kinds, layout_kind(view, dim, f"mesh dim {dim!r} of {view!r}", dim))
         for alias, axes in view.aliases.items():
             _add(kinds, layout_kind(view, alias, f"_flatten of {axes} into {alias!r}", alias))
+    _add(kinds, _local_rank_kind(root))
 
     roles = {role: _pick(kinds, names) for role, names in _ROLE_CANDIDATES.items()}
     roles = {r: k for r, k in roles.items() if k is not None}
@@ -68,7 +75,31 @@ def expect(world_size: int, **config: Any) -> Expected:
         "mesh_dim_names": root.dim_names,
         "ops": tuple(config.get("ops", ())),
     }
+    if override is not None:
+        normal["backend_override"] = override
     return Expected("torch", world_size, normal, kinds.values(), roles, layout=views[-1].root())
+
+
+def _local_rank_kind(root: Layout) -> Kind:
+    """torch answers only on a 1-D mesh; an N-D one raises rather than guess a dim."""
+    if root.ndim == 1:
+        return layout_kind(root, LOCAL_RANK_KIND, _LOCAL_RANK_DESCRIPTION, root.dim_names[0])
+    error = LayoutError(
+        f"Found the DeviceMesh have {root.ndim} dimensions; Optional kwarg `mesh_dim` needs to "
+        "be specified when device_mesh.ndim > 1.",
+        upstream="RuntimeError",
+    )
+    return Kind(LOCAL_RANK_KIND, _LOCAL_RANK_DESCRIPTION, error)
+
+
+def _backend_override(root: Layout, config: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    override = config.get("backend_override")
+    if override is not None and "mesh" in config:
+        raise LayoutError(
+            "backend_override is modelled for init_device_mesh (mesh_shape) only; "
+            "DeviceMesh(mesh=...) takes a per-dim tuple instead"
+        )
+    return _torch_backend.normalize(override, root.ndim, root.dim_names)
 
 
 def _root_layout(world_size: int, config: Mapping[str, Any]) -> Layout:
