@@ -55,7 +55,12 @@ def _requests(dims: Any) -> list[tuple[str, ...]]:
             wanted.update(dict.fromkeys(combinations(names, count)))
         if len(names) > 1:
             reverse[tuple(reversed(names))] = None
-    return [*wanted, *(r for r in reverse if r not in wanted), ("loss", "tp"), ("batch", "dp_replicate")]
+    return [
+        *wanted,
+        *(r for r in reverse if r not in wanted),
+        ("loss", "tp"),
+        ("batch", "dp_replicate"),
+    ]
 
 
 def _name(method: str, request: str | tuple[str, ...], singletons: bool = False) -> str:
@@ -149,7 +154,11 @@ def _proof(
 
 
 def _all_gather_ranks(group: Any, size: int) -> tuple[int, ...]:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else None
+    )
     mine = torch.tensor([dist.get_rank()], dtype=torch.int64, device=device)
     out = [torch.zeros_like(mine) for _ in range(size)]
     dist.all_gather(out, mine, group=group)

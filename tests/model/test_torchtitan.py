@@ -37,7 +37,9 @@ def off_axes(exp: meshsim.Expected) -> list[str]:
 
 def unregistered(exp: meshsim.Expected) -> list[str]:
     """Axis names ``get_mesh`` refuses as invalid under this backend."""
-    return [k for k, e in exp.unavailable().items() if "Invalid mesh dim" in str(e) and k in api.AXES]
+    return [
+        k for k, e in exp.unavailable().items() if "Invalid mesh dim" in str(e) and k in api.AXES
+    ]
 
 
 def raises(world: int, config: dict[str, Any], upstream: str | None) -> LayoutError:

@@ -25,21 +25,26 @@ from meshsim.builders.real._adapter import check_keys, framework_refusals
 from meshsim.checks import Observation
 from meshsim.errors import UsageError
 
-#: meshsim config key -> ``ParallelDims`` field, with torchtitan's defaults.
+#: meshsim config key -> ``ParallelismConfig`` field (torchtitan's job config), with defaults.
 FIELDS: Mapping[str, tuple[str, int]] = {
-    "dp_replicate": ("dp_replicate", 1),
-    "dp_shard": ("dp_shard", -1),
-    "cp": ("cp", 1),
-    "tp": ("tp", 1),
-    "pp": ("pp", 1),
-    "ep": ("ep", 1),
+    "dp_replicate": ("data_parallel_replicate_degree", 1),
+    "dp_shard": ("data_parallel_shard_degree", -1),
+    "cp": ("context_parallel_degree", 1),
+    "tp": ("tensor_parallel_degree", 1),
+    "pp": ("pipeline_parallel_degree", 1),
+    "ep": ("expert_parallel_degree", 1),
 }
 
 
 def parallel_dims(world_size: int, config: Mapping[str, Any]) -> Any:
-    """torchtitan's ``ParallelDims`` for a meshsim config (validated by torchtitan itself)."""
+    """torchtitan's ``ParallelDims`` for a meshsim config, made the way its trainer makes it:
+    ``ParallelDims.from_config(ParallelismConfig(...), world_size)``, so both validate it
+    (``ParallelismConfig`` refuses an unknown ``spmd_backend`` with ValueError; a bare
+    ``ParallelDims`` would take any string for ``partial_dtensor``)."""
     check_keys("torchtitan", config)
-    (module,) = _shims.load("torchtitan.distributed.parallel_dims")
+    dims_module, config_module = _shims.load(
+        "torchtitan.distributed.parallel_dims", "torchtitan.config.configs"
+    )
     version = config.get("version", "current")
     if version != "current":
         raise UsageError(
@@ -56,7 +61,8 @@ def parallel_dims(world_size: int, config: Mapping[str, Any]) -> Any:
     if config.get("spmd_backend") is not None:
         kwargs["spmd_backend"] = config["spmd_backend"]
     with framework_refusals():
-        return module.ParallelDims(**kwargs, world_size=world_size)
+        parallelism = config_module.ParallelismConfig(**kwargs)
+        return dims_module.ParallelDims.from_config(parallelism, world_size)
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:

@@ -160,20 +160,29 @@ def api_kinds(views: _Views) -> dict[str, Kind]:
     for axis in AXES:
         if axis not in views.single:
             add(axis, f"get_mesh('{axis}'): no such axis", lambda a=axis: get_mesh(views, a))
-    for dims in [*AXES, *multi_axis_requests(views)]:
-        what = f"'{dims}'" if isinstance(dims, str) else str(list(dims))
-        if not isinstance(dims, str):
-            add(call_name("get_mesh", dims), f"get_mesh({what})", lambda d=dims: get_mesh(views, d))
+    for axis in AXES:
         add(
-            call_name("get_optional_mesh", dims),
-            f"get_optional_mesh({what}): None where an axis is off",
-            lambda d=dims: request(views, d, singletons=False),
+            call_name("get_optional_mesh", axis),
+            f"get_mesh('{axis}'), or None where the axis is off (size 1, fake-backed)",
+            lambda a=axis: request(views, a, singletons=False),
         )
         add(
-            call_name("get_optional_mesh", dims, True),
-            f"get_optional_mesh({what}, {SINGLETONS}): size-1 axes kept (fake backend)",
-            lambda d=dims: request(views, d, singletons=True),
+            call_name("get_optional_mesh", axis, True),
+            f"the '{axis}' mesh even where it is off (size 1, fake backend)",
+            lambda a=axis: request(views, a, singletons=True),
         )
+    for dims in multi_axis_requests(views):
+        source = next(
+            (f"sliced from the '{n}' view" for n, v in views.global_meshes.items()
+             if set(dims) <= set(v.dim_names)),
+            "no view holds them all",
+        )  # fmt: skip
+        add(call_name("get_mesh", dims), f"{source}; ValueError if an axis is off",
+            lambda d=dims: get_mesh(views, d))  # fmt: skip
+        add(call_name("get_optional_mesh", dims), f"{source}; None if an axis is off",
+            lambda d=dims: request(views, d, singletons=False))  # fmt: skip
+        add(call_name("get_optional_mesh", dims, True), f"{source}; size-1 axes kept",
+            lambda d=dims: request(views, d, singletons=True))  # fmt: skip
     for view_name, dims in VIEW_DIMS.items():
         for dim in dims:
             add(
@@ -201,7 +210,11 @@ def api_kinds(views: _Views) -> dict[str, Kind]:
         "spmd_sparse_mesh(): the (dp_replicate, efsdp, ep) fwd/bwd view, or None",
         lambda: views.global_meshes.get("spmd_sparse_for_fwdbwd"),
     )
-    add("get_dense_tp_mesh()", "get_dense_tp_mesh(): TP mesh of the dense fwd/bwd", lambda: dense_tp_mesh(views))
+    add(
+        "get_dense_tp_mesh()",
+        "get_dense_tp_mesh(): TP mesh of the dense fwd/bwd",
+        lambda: dense_tp_mesh(views),
+    )
     return kinds
 
 
@@ -226,3 +239,32 @@ def _kind(name: str, description: str, answer: Callable[[], Layout | None]) -> K
     if mesh is None:
         return Kind(name, description, _NO_GROUPS, partition=False)
     return Kind(name, description, mesh.groups, mesh_dims=mesh.dim_names, mesh_shape=mesh.shape)
+
+
+def refused_configs(world_size: int) -> list[dict[str, object]]:
+    """Current-version configs torchtitan 0.3.0 refuses at ``world_size``, one per way to fail.
+
+    Every ordered factorization (pp, dp_replicate, dp_shard, cp, tp) with each divisor of the
+    world as ``ep`` that does not divide dp_shard * cp * tp (torch's ``_unflatten`` ValueError),
+    then degree errors (AssertionError): a degree of 0, a negative dp_shard, dp_shard=-1
+    resolving to 0, a product that is not the world, and an unknown ``spmd_backend``
+    (``ParallelismConfig``'s ValueError).
+    """
+    from meshsim.model.sweep import divisors, ordered_factorizations
+
+    out: list[dict[str, object]] = []
+    for pp, dpr, dps, cp, tp in ordered_factorizations(world_size, 5):
+        for ep in divisors(world_size):
+            if (dps * cp * tp) % ep:
+                out.append(dict(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep))
+    out += [
+        {"tp": 0},
+        {"ep": 0},
+        {"dp_shard": -2},
+        {"dp_shard": 0},
+        {"tp": 2 * world_size},  # dp_shard=-1 resolves to 0
+        {"tp": 3},  # dp_shard=-1 resolves to world // 3; the product is not the world
+        {"dp_shard": world_size, "tp": 2},
+        {"dp_shard": 2, "spmd_backend": "dtensor"},
+    ]
+    return out

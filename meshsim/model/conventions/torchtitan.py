@@ -138,6 +138,8 @@ def _parse(config: Mapping[str, Any]) -> tuple[str, str | None, dict[str, int], 
         raise LayoutError(
             f"spmd_backend {backend!r} does not exist in torchtitan version {version!r}; "
             f"choose from {allowed or 'nothing (leave it out)'}"
+            + (" (0.3.0's ParallelismConfig raises ValueError)" if version == "current" else ""),
+            upstream="ValueError" if version == "current" else None,
         )
     raw: dict[str, int] = {}
     for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp"):
