@@ -8,6 +8,7 @@ as the reference names), failures, and the wall time. Run on demand (minutes), e
 
     python benchmarks/torchtitan_live.py --world 8 --backend gloo
     python benchmarks/torchtitan_live.py --world 16 --backend fake
+    python benchmarks/torchtitan_live.py --world 16 --backend gloo --sample 24
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--backend", default="gloo", choices=["gloo", "fake", "threaded"])
-    parser.add_argument("--limit", type=int, default=0, help="first N layouts only (0: all)")
+    parser.add_argument(
+        "--sample", type=int, default=0, help="N evenly spaced layouts and refusals (0: all)"
+    )
     args = parser.parse_args(argv)
     valid = layouts(args.world, "torchtitan", versions=["current"], spmd_backends=BACKENDS)
-    if args.limit:
-        valid = valid[: args.limit]
     refused = [
         LayoutCase("torchtitan", args.world, {"version": "current", **c})
         for c in refused_configs(args.world)
     ]
+    if args.sample:
+        valid, refused = _spread(valid, args.sample), _spread(refused, args.sample)
     counts = {"world": args.world, "backend": args.backend, "layouts": len(valid)}
     counts.update(kinds_compared=0, kinds_equal=0, layouts_equal=0)
     counts.update(refused=len(refused), rejections_reproduced=0, failures=[])
@@ -56,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     counts["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(counts))
     return 0 if not counts["failures"] else 1
+
+
+def _spread(cases: list[LayoutCase], count: int) -> list[LayoutCase]:
+    step = max(1, len(cases) // count)
+    return cases[::step][:count]
 
 
 if __name__ == "__main__":

@@ -91,10 +91,23 @@ def request(views: _Views, dims: str | Sequence[str], *, singletons: bool) -> La
         return None
     if len(names) == 1:
         return views.single[names[0]]
+    key = tuple(names)
+    if key not in views.memo:  # get_mesh and both get_optional_mesh forms share one slice
+        views.memo[key] = _slice(views, key)
+    answer = views.memo[key]
+    if isinstance(answer, LayoutError):
+        raise answer
+    return answer
+
+
+def _slice(views: _Views, names: tuple[str, ...]) -> Layout | LayoutError:
     for mesh in views.global_meshes.values():
         if set(names) <= set(mesh.dim_names):
-            return mesh[tuple(names)]
-    raise LayoutError(f"Invalid mesh name combinations {names}.", upstream="ValueError")
+            try:
+                return mesh[names]
+            except LayoutError as error:
+                return error
+    return LayoutError(f"Invalid mesh name combinations {list(names)}.", upstream="ValueError")
 
 
 def get_mesh(views: _Views, dims: str | Sequence[str]) -> Layout:
@@ -106,6 +119,8 @@ def get_mesh(views: _Views, dims: str | Sequence[str]) -> Layout:
 
 def spmd_meshes(views: _Views) -> list[Layout]:
     """``spmd_meshes()``: the dense and sparse SPMD meshes restricted to enabled axes."""
+    if "spmd_meshes()" in views.memo:
+        return list(views.memo["spmd_meshes()"])
     out = []
     for axes in (DENSE_SPMD_AXES[views.backend], SPARSE_SPMD_AXES):
         active = [a for a in axes if a in views.single and views.exists(a)]
@@ -113,6 +128,7 @@ def spmd_meshes(views: _Views) -> list[Layout]:
             mesh = request(views, active, singletons=False)
             assert mesh is not None  # every axis is enabled
             out.append(mesh)
+    views.memo["spmd_meshes()"] = tuple(out)
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
@@ -174,9 +174,16 @@ class _Views:
     world: Layout  # the 1-D ``world`` mesh every view is unflattened from
     single: dict[str, Layout]  # ``_single_axis_meshes``, in torchtitan's order
     global_meshes: dict[str, Layout]  # ``_global_meshes``: where multi-axis requests are sliced
+    #: answers already computed (``exists`` per axis, slices per request): ~230 getters share them
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def exists(self, axis: str) -> bool:
         """``_mesh_exist``: is the axis backed by a real process group (not ``fake``)?"""
+        if axis not in self.memo:
+            self.memo[axis] = self._exists(axis)
+        return bool(self.memo[axis])
+
+    def _exists(self, axis: str) -> bool:
         if axis == "fsdp":
             return True  # fully_shard needs it, even at degree 1, for mixed precision
         if axis == "dp_shard" and self.backend in self._storage_backends():
