@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         counts["kinds_compared"] += checked
         counts["kinds_equal"] += checked - len(wrong)
         counts["layouts_equal"] += int(result.passed)
+        done = counts["layouts_equal"] + counts["rejections_reproduced"] + len(counts["failures"])
+        if done % 25 == 0:  # progress on stderr, so a run cut short still reports its counts
+            print(json.dumps({**counts, "seconds": round(time.perf_counter() - start, 1)}),
+                  file=sys.stderr, flush=True)  # fmt: skip
     counts["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(counts))
     return 0 if not counts["failures"] else 1
