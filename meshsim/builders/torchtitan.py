@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshsim.builders import _torchtitan_api as titan_api
 from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, require
 from meshsim.checks import Observation
 
@@ -41,6 +42,11 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         return collect(_legacy(d))
     if version == "current":
         backend = config.get("spmd_backend") or "spmd_types"
+        require(
+            backend in ("spmd_types", "partial_dtensor", "full_dtensor"),
+            f"parallelism.spmd_backend {backend!r} is not one of the three",
+            "ValueError",
+        )
         region = d["dp_shard"] * d["cp"] * d["tp"]
         require(
             region % d["ep"] == 0,
@@ -56,7 +62,10 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         expert = {"ep": d["ep"], "etp": d["etp"]}
     else:
         raise FrameworkRejection(f"unknown torchtitan version {version!r}", upstream=None)
-    return collect(_views(world_size, d, backend, expert, version))
+    replica = _views(world_size, d, backend, expert, version)
+    if version == "intermediate":
+        return collect(replica.entries())
+    return titan_api.observe(titan_api.entries(replica))
 
 
 def _validate(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> dict[str, int]:
@@ -75,7 +84,7 @@ def _validate(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> dic
 
 def _views(
     world_size: int, d: Mapping[str, int], backend: str, expert: Mapping[str, int], version: str
-) -> dict[str, Entry]:
+) -> _Replica:
     """The current/intermediate ``build_mesh``: unflatten one world mesh into every view."""
     world = mesh((world_size,), ("world",))
 
@@ -92,6 +101,7 @@ def _views(
         dense = unflatten({"pp": pp, "dp_replicate": dpr, "dp_shard": dps, "cp": cp, "tp": tp})
     efsdp = fsdp * tp // math.prod(expert.values())
     sparse = unflatten({"pp": pp, "dp_replicate": dpr, "efsdp": efsdp, **expert})
+    views = {"dataloading": dataloading, "loss": loss, "dense": dense, "sparse": sparse}
     single: dict[str, DeviceMesh] = {
         "pp": dataloading["pp"],
         "batch": dataloading["batch"],
@@ -106,27 +116,100 @@ def _views(
         single["etp"] = sparse["etp"]
     if backend == "spmd_types":
         fwdbwd = unflatten({"pp": pp, "dp": batch, "cp": cp, "tp": tp})["dp", "cp", "tp"]
+        views["spmd_dense_for_fwdbwd"] = fwdbwd
+        if ep > 1:
+            views["spmd_sparse_for_fwdbwd"] = sparse["dp_replicate", "efsdp", "ep"]
         single["dp"] = fwdbwd["dp"]
     if backend == "partial_dtensor":
         single["fsdp"] = dense["fsdp"]
     else:
         single["dp_shard"] = dense["dp_shard"]
-
     # torchtitan's _mesh_exist: which axes get a real backend. dp_shard, the dense storage axis,
     # stays real at size 1 under spmd_types, and in 0.3.0 (current) under full_dtensor too.
     storage = ("spmd_types", "full_dtensor") if version == "current" else ("spmd_types",)
-
-    def exists(axis: str) -> bool:
-        if axis == "fsdp" or (axis == "dp_shard" and backend in storage):
-            return True
-        if axis == "efsdp":
-            return ep > 1
-        return single[axis].size() > 1
-
-    return {
-        axis: view if exists(axis) else ValueError(f"Mesh '{axis}' is not available.")
+    real = {
+        axis: axis == "fsdp"
+        or (axis == "dp_shard" and backend in storage)
+        or (ep > 1 if axis == "efsdp" else view.size() > 1)
         for axis, view in single.items()
     }
+    return _Replica(world, single, views, real, backend)
+
+
+class _Replica:
+    """The getters of torchtitan 0.3.0's ``ParallelDims``, answered from the live views above
+    (the rules as documented in ``meshsim.model.conventions._torchtitan_api``), so the same
+    questions can be put to plain torch and to torchtitan itself."""
+
+    _DENSE: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "spmd_types": ("dp", "cp", "tp"),
+        "full_dtensor": ("dp_replicate", "dp_shard", "cp", "tp"),
+        "partial_dtensor": ("dp_replicate", "fsdp", "tp"),
+    }
+
+    def __init__(
+        self,
+        world: DeviceMesh,
+        single: dict[str, DeviceMesh],
+        views: dict[str, DeviceMesh],
+        real: dict[str, bool],
+        backend: str,
+    ) -> None:
+        self.world_mesh = world
+        self._single_axis_meshes = single
+        self._global_meshes = views
+        self._real = real
+        self._backend = backend
+
+    def entries(self) -> dict[str, Entry]:
+        """``get_mesh`` of each axis torchtitan registers (the intermediate version's kinds)."""
+        return {
+            axis: view if self._real[axis] else ValueError(f"Mesh '{axis}' is not available.")
+            for axis, view in self._single_axis_meshes.items()
+        }
+
+    def get_optional_mesh(
+        self, dims: str | list[str], *, include_singleton_axes: bool = False
+    ) -> DeviceMesh | None:
+        names = [dims] if isinstance(dims, str) else list(dims)
+        unknown = [n for n in names if n not in self._single_axis_meshes]
+        if unknown:
+            raise ValueError(f"Invalid mesh dim: '{unknown[0]}'.")
+        if not include_singleton_axes and not all(self._real[n] for n in names):
+            return None
+        if len(names) == 1:
+            return self._single_axis_meshes[names[0]]
+        for view in self._global_meshes.values():
+            if set(names) <= set(view.mesh_dim_names or ()):
+                return view[tuple(names)]
+        raise ValueError(f"Invalid mesh name combinations {names}.")
+
+    def get_mesh(self, dims: str | list[str]) -> DeviceMesh:
+        found = self.get_optional_mesh(dims)
+        if found is None:
+            raise ValueError(f"Mesh '{dims}' is not available.")
+        return found
+
+    def spmd_meshes(self) -> list[DeviceMesh]:
+        out = []
+        for axes in (self._DENSE[self._backend], ("dp_replicate", "efsdp", "ep")):
+            active = [a for a in axes if self._real.get(a)]
+            if active:
+                out.append(self.get_mesh(active if len(active) > 1 else active[0]))
+        return out
+
+    def spmd_dense_mesh(self) -> DeviceMesh:
+        return self._global_meshes["spmd_dense_for_fwdbwd"]
+
+    def spmd_sparse_mesh(self) -> DeviceMesh | None:
+        return self._global_meshes.get("spmd_sparse_for_fwdbwd")
+
+    def get_dense_tp_mesh(self) -> DeviceMesh:
+        if self._backend == "spmd_types":
+            return self.spmd_dense_mesh()["tp"]
+        if self._backend == "full_dtensor":
+            return self.spmd_meshes()[0]["tp"]
+        return self.get_mesh("tp")
 
 
 def _root_entries(root: DeviceMesh, names: tuple[str, ...]) -> dict[str, Entry]:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from meshsim.cli import config_flags as cf
 from meshsim.cli import render
@@ -294,7 +295,7 @@ def print_result(out: Any, result: Any, expected: Expected, wall: float | None =
                 else ("yes" if ok else "–")
             )
         table.add_row(
-            kind,
+            Text(kind),  # names like dense[tp] are not rich markup
             str(len(groups)) if groups is not None else "–",
             str(groups.group_size) if groups is not None else "–",
             f"[green]{matches}[/green]" if ok else f"[red]{matches}[/red]",

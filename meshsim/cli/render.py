@@ -154,9 +154,9 @@ def show(
     if gpus_per_node is not None:
         table.add_column("cross nodes", justify="right")
     for row in rows:
-        cells = [
-            row.name,
-            *([row.description] if describe else []),
+        cells: list[str | Text] = [
+            Text(row.name),  # Text: names like dense[tp] are not rich markup
+            *([Text(row.description)] if describe else []),
             str(len(row.groups)),
             str(row.groups.group_size),
             first_groups(row.groups, first, budget),

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import meshsim
 from meshsim import LayoutError
+from meshsim.model.conventions import _torchtitan_api as api
 from meshsim.model.conventions import torchtitan
 from meshsim.model.sweep import divisors
 from tests.model._tt_olmo_helpers import assert_invariants, assert_same_groups, cases
@@ -24,6 +25,23 @@ def titan(world: int, **config: Any) -> meshsim.Expected:
     return meshsim.expect("torchtitan", world, **config)
 
 
+def axes(exp: meshsim.Expected) -> list[str]:
+    """The single-axis ``get_mesh`` kinds that answer with a mesh (other kinds: the API's)."""
+    return [k for k in exp.kinds() if k in api.AXES]
+
+
+def off_axes(exp: meshsim.Expected) -> list[str]:
+    """Axes the backend registers whose ``get_mesh`` raises "not available" (fake-backed)."""
+    return [k for k, e in exp.unavailable().items() if k in api.AXES and "not available" in str(e)]
+
+
+def unregistered(exp: meshsim.Expected) -> list[str]:
+    """Axis names ``get_mesh`` refuses as invalid under this backend."""
+    return [
+        k for k, e in exp.unavailable().items() if "Invalid mesh dim" in str(e) and k in api.AXES
+    ]
+
+
 def raises(world: int, config: dict[str, Any], upstream: str | None) -> LayoutError:
     with pytest.raises(LayoutError) as info:
         titan(world, **config)
@@ -35,8 +53,8 @@ def raises(world: int, config: dict[str, Any], upstream: str | None) -> LayoutEr
 def test_current_spmd_types_kinds_and_roles() -> None:
     exp = titan(8, dp_replicate=2, dp_shard=2, tp=2)
     assert exp.config["spmd_backend"] == "spmd_types"
-    assert list(exp.kinds()) == ["batch", "loss", "dp_replicate", "tp", "dp", "dp_shard"]
-    assert list(exp.unavailable()) == ["pp", "cp", "ep", "efsdp"]
+    assert axes(exp) == ["batch", "loss", "dp_replicate", "tp", "dp", "dp_shard"]
+    assert off_axes(exp) == ["pp", "cp", "ep", "efsdp"]
     assert exp.groups("batch") == exp.groups("dp") == exp.groups("loss") == EVEN_ODD
     assert exp.groups("dp_replicate") == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert exp.groups("dp_shard") == [(0, 2), (1, 3), (4, 6), (5, 7)]
@@ -47,12 +65,12 @@ def test_current_spmd_types_kinds_and_roles() -> None:
         "loss": "loss",
         "tensor": "tp",
     }
-    assert "fsdp" not in exp.kinds() and "fsdp" not in exp.unavailable()
+    assert unregistered(exp) == ["fsdp", "world"]
 
 
 def test_current_partial_dtensor_has_fsdp_instead_of_dp_and_dp_shard() -> None:
     exp = titan(8, dp_replicate=2, dp_shard=2, tp=2, spmd_backend="partial_dtensor")
-    assert list(exp.kinds()) == ["batch", "loss", "dp_replicate", "tp", "fsdp"]
+    assert axes(exp) == ["batch", "loss", "dp_replicate", "tp", "fsdp"]
     assert exp.groups("fsdp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
 
 
@@ -62,8 +80,8 @@ def test_current_full_dtensor_has_the_dense_storage_view_only() -> None:
     exp = titan(16, dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4, spmd_backend="full_dtensor")
     assert exp.config["spmd_backend"] == "full_dtensor"
     kinds = ["batch", "loss", "dp_replicate", "cp", "tp", "ep", "efsdp", "dp_shard"]
-    assert list(exp.kinds()) == kinds
-    assert list(exp.unavailable()) == ["pp"]
+    assert axes(exp) == kinds
+    assert off_axes(exp) == ["pp"]
     assert "dp" not in exp.kinds() and "fsdp" not in exp.kinds()
     spmd = titan(16, dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4)
     for kind in kinds:
@@ -79,7 +97,7 @@ def test_current_full_dtensor_keeps_dp_shard_real_at_size_one() -> None:
     """0.3.0's ``_mesh_exist``: dp_shard exists under full_dtensor and spmd_types at any size."""
     exp = titan(4, tp=4, spmd_backend="full_dtensor")
     assert exp.groups("dp_shard") == [(0,), (1,), (2,), (3,)]
-    assert "batch" in exp.unavailable() and "fsdp" not in exp.unavailable()
+    assert "batch" in off_axes(exp) and "fsdp" in unregistered(exp)
     # the intermediate version's full_dtensor is left as modelled: dp_shard needs degree > 1
     intermediate = titan(4, tp=4, version="intermediate", spmd_backend="full_dtensor")
     assert "dp_shard" in intermediate.unavailable()
@@ -456,7 +474,6 @@ def test_hyper_parallel_validation_order() -> None:
     ("config", "message"),
     [
         ({"version": "v2"}, "unknown torchtitan version 'v2'"),
-        ({"spmd_backend": "dtensor"}, "spmd_backend 'dtensor' does not exist in"),
         (
             {"version": "intermediate", "spmd_backend": "spmd_types"},
             "spmd_backend 'spmd_types' does not exist in torchtitan version 'intermediate'",
@@ -555,3 +572,154 @@ def test_current_ep_equals_legacy_ep_with_etp_one(d: dict[str, int], data: st.Da
     assert_same_groups(
         current, legacy, [("ep", "ep"), ("efsdp", "dp_shard_mod_ep"), ("loss", "dp_cp")]
     )
+
+
+# -- current: every getter of the 0.3.0 public API ----------------------------------------------
+SINGLE_PP = "get_optional_mesh(pp, include_singleton_axes=True)"
+
+
+def test_singleton_axes_answer_three_ways() -> None:
+    """An axis that is off (degree 1, fake-backed): ``get_mesh`` raises, ``get_optional_mesh``
+    returns None (no rank holds a group), and with ``include_singleton_axes=True`` every rank
+    gets its size-1 mesh. The conventions snapshot (b5bcd76c) has no include_singleton_axes:
+    there get_optional_mesh is None for every off axis; torchtitan 0.3.0, which wins, adds it."""
+    exp = titan(8, dp_shard=8)
+    assert exp.unavailable()["pp"].upstream == "ValueError"
+    none = exp.kind("get_optional_mesh(pp)")
+    assert none.available and len(none.groups()) == 0 and exp.group_of(3, none.name) is None
+    assert exp.groups(SINGLE_PP) == [(r,) for r in WORLD]
+    for axis in ("cp", "tp", "ep", "dp_replicate"):
+        singles = exp.groups(f"get_optional_mesh({axis}, include_singleton_axes=True)")
+        assert singles == [(r,) for r in WORLD], axis
+    # efsdp is off without EP although its size is dp_shard * cp * tp = 8
+    efsdp = exp.groups("get_optional_mesh(efsdp, include_singleton_axes=True)")
+    assert efsdp == [WORLD]
+    assert "efsdp" in exp.unavailable() and len(exp.groups("get_optional_mesh(efsdp)")) == 0
+
+
+def test_get_optional_mesh_function_matches_the_kinds() -> None:
+    config = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert torchtitan.get_optional_mesh(8, "pp", **config) is None
+    single = torchtitan.get_optional_mesh(8, "pp", include_singleton_axes=True, **config)
+    assert single is not None and single.groups() == [(r,) for r in WORLD]
+    pair = torchtitan.get_optional_mesh(8, ["dp_replicate", "tp"], **config)
+    assert pair is not None and pair.shape == (2, 2)
+    assert pair.groups() == titan(8, **config).groups("get_mesh([dp_replicate, tp])")
+    assert pair.groups() == [(0, 1, 4, 5), (2, 3, 6, 7)]
+
+
+def test_multi_axis_requests_and_which_raise() -> None:
+    """Names first (ValueError), then off axes (None / "not available"), then the first view
+    holding them all; torch's KeyError when the order is not the view's."""
+    exp = titan(8, dp_replicate=2, dp_shard=2, tp=2)
+    assert exp.groups("get_mesh([dp_replicate, dp_shard])") == EVEN_ODD
+    assert exp.kind("get_mesh([dp_replicate, dp_shard])").mesh_shape == (2, 2)
+    assert "'dense' view" in exp.kinds()["get_mesh([dp_replicate, dp_shard])"]
+    assert "'spmd_dense_for_fwdbwd' view" in exp.kinds()["get_mesh([dp, tp])"]
+    off = exp.unavailable()["get_mesh([pp, tp])"]
+    assert off.upstream == "ValueError" and "all enabled" in str(off)
+    assert len(exp.groups("get_optional_mesh([pp, tp])")) == 0
+    assert exp.groups("get_optional_mesh([pp, tp], include_singleton_axes=True)") == PAIRS
+    reverse = "get_optional_mesh([tp, cp, dp_shard, dp_replicate, pp], include_singleton_axes=True)"
+    assert exp.unavailable()[reverse].upstream == "KeyError"
+    assert "ascending order" in str(exp.unavailable()[reverse])
+    # without singletons the off pp/cp answer None before any slicing
+    assert len(exp.groups("get_optional_mesh([tp, cp, dp_shard, dp_replicate, pp])")) == 0
+    for request in ("[loss, tp]", "[batch, dp_replicate]"):
+        error = exp.unavailable()[f"get_optional_mesh({request}, include_singleton_axes=True)"]
+        assert error.upstream == "ValueError" and "Invalid mesh name combinations" in str(error)
+    world = exp.unavailable()["get_optional_mesh(world, include_singleton_axes=True)"]
+    assert world.upstream == "ValueError" and "Invalid mesh dim: 'world'" in str(world)
+
+
+def test_reversed_request_over_size_one_dims_is_accepted() -> None:
+    """torch drops size-1 dims before checking the order, so reversing a view whose other dims
+    are all size 1 slices fine."""
+    exp = titan(8, dp_shard=8, ep=2)
+    name = "get_optional_mesh([ep, efsdp, dp_replicate, pp], include_singleton_axes=True)"
+    assert exp.unavailable()[name].upstream == "KeyError"
+    alone = titan(8, dp_shard=8)
+    groups = alone.groups(name)
+    assert groups == [WORLD]  # only efsdp (size 8) is left: no order to break
+
+
+def test_world_mesh_and_view_dims() -> None:
+    exp = titan(16, pp=2, dp_replicate=2, dp_shard=2, tp=2, ep=2)
+    assert exp.groups("world_mesh") == [tuple(range(16))]
+    assert exp.groups("dense[pp]") == exp.groups("dataloading[pp]") == exp.groups("pp")
+    assert exp.groups("sparse[efsdp]") == exp.groups("efsdp")
+    assert exp.groups("spmd_sparse_for_fwdbwd[ep]") == exp.groups("ep")
+    assert exp.groups("loss[loss_mesh]") == exp.groups("loss")
+    assert exp.unavailable()["dense[fsdp]"].upstream == "KeyError"  # spmd_types: no fsdp dim
+    partial = titan(16, pp=2, dp_replicate=2, dp_shard=2, tp=2, spmd_backend="partial_dtensor")
+    assert partial.groups("dense[fsdp]") == partial.groups("fsdp")
+    assert partial.unavailable()["spmd_dense_for_fwdbwd[dp]"].upstream == "KeyError"
+
+
+def test_spmd_sparse_view_exists_only_with_ep() -> None:
+    """0.3.0 adds a (dp_replicate, efsdp, ep) fwd/bwd view under spmd_types when ep > 1; the
+    conventions snapshot lists no such view (the released code wins)."""
+    with_ep = titan(8, dp_shard=4, tp=2, ep=2)
+    assert with_ep.groups("spmd_sparse_mesh()") == [(0, 1, 2, 3, 4, 5, 6, 7)]
+    assert with_ep.kind("spmd_sparse_mesh()").mesh_shape == (1, 4, 2)
+    without = titan(8, dp_shard=4, tp=2)
+    assert len(without.groups("spmd_sparse_mesh()")) == 0  # None, not an error
+    assert without.unavailable()["spmd_sparse_for_fwdbwd[ep]"].upstream == "KeyError"
+
+
+def test_spmd_meshes_keep_enabled_axes_only() -> None:
+    exp = titan(16, pp=2, dp_replicate=2, dp_shard=2, tp=2, ep=2)
+    dense = exp.kind("spmd_meshes()[0]")
+    assert dense.mesh_dims == ("dp", "tp") and dense.mesh_shape == (4, 2)
+    sparse = exp.kind("spmd_meshes()[1]")
+    assert sparse.mesh_dims == ("dp_replicate", "efsdp", "ep")
+    assert exp.groups("spmd_meshes()[1][ep]") == exp.groups("ep")
+    assert exp.unavailable()["spmd_meshes()[0][cp]"].upstream == "KeyError"  # cp is off
+    one = titan(8, dp_shard=4, tp=2)
+    assert one.unavailable()["spmd_meshes()[1]"].upstream == "IndexError"
+    full = titan(8, dp_shard=8, spmd_backend="full_dtensor")
+    assert full.kind("spmd_meshes()[0]").mesh_dims == ("dp_shard",)
+    assert titan(8, pp=8).unavailable()["spmd_meshes()[0]"].upstream == "IndexError"
+
+
+def test_dense_tp_mesh_per_backend() -> None:
+    """spmd_types: tp of the fwd/bwd view, fake at size 1; full_dtensor: tp of the first SPMD
+    mesh, KeyError when tp is off; partial_dtensor: get_mesh('tp'), ValueError when off."""
+    assert titan(8, dp_shard=8).groups("get_dense_tp_mesh()") == [(r,) for r in WORLD]
+    full = titan(8, dp_shard=8, spmd_backend="full_dtensor")
+    assert full.unavailable()["get_dense_tp_mesh()"].upstream == "KeyError"
+    partial = titan(8, dp_shard=8, spmd_backend="partial_dtensor")
+    assert partial.unavailable()["get_dense_tp_mesh()"].upstream == "ValueError"
+    for backend in ("spmd_types", "full_dtensor", "partial_dtensor"):
+        exp = titan(8, dp_shard=4, tp=2, spmd_backend=backend)
+        assert exp.groups("get_dense_tp_mesh()") == PAIRS, backend
+
+
+def test_every_kind_has_a_one_line_description() -> None:
+    for backend in ("spmd_types", "full_dtensor", "partial_dtensor"):
+        exp = titan(16, pp=2, dp_replicate=2, cp=2, tp=2, ep=2, spmd_backend=backend)
+        every = {**exp.kinds(), **{n: exp.kind(n).description for n in exp.unavailable()}}
+        assert len(every) > 150
+        assert all(text and "\n" not in text for text in every.values())
+
+
+def test_unknown_spmd_backend_is_parallelism_configs_value_error() -> None:
+    """0.3.0 validates spmd_backend in ParallelismConfig (ValueError); the snapshot is silent."""
+    assert raises(8, {"spmd_backend": "dtensor"}, "ValueError")
+    assert raises(8, {"version": "intermediate", "spmd_backend": "spmd_types"}, None)
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_refused_configs_are_all_refused(world: int) -> None:
+    refused = api.refused_configs(world)
+    kinds = Counter()
+    for config in refused:
+        kinds[raises(world, config, raises_upstream(world, config)).upstream] += 1
+    assert set(kinds) == {"ValueError", "AssertionError"}
+
+
+def raises_upstream(world: int, config: dict[str, Any]) -> str:
+    with pytest.raises(LayoutError) as info:
+        titan(world, **config)
+    assert info.value.upstream in ("ValueError", "AssertionError"), config
+    return info.value.upstream

@@ -7,8 +7,12 @@ from typing import Any
 import pytest
 
 from meshsim import expect, layouts
+from meshsim.checks import diff
 from meshsim.errors import LayoutError
 from meshsim.harness import run
+from meshsim.model.conventions._torchtitan_api import refused_configs
+from meshsim.model.sweep import LayoutCase
+from meshsim.verify import verify_many
 from tests.real._helpers import (
     TIMEOUT,
     assert_matches,
@@ -52,6 +56,9 @@ REFUSED: list[tuple[int, dict[str, Any]]] = [
     (8, {"dp_shard": 8, "ep": 3}),  # ep does not divide dp_shard*cp*tp
     (8, {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "ep": 8}),
     (8, {"dp_shard": 4, "tp": 2, "ep": 3, "spmd_backend": "full_dtensor"}),
+    (4, {"dp_shard": -2}),
+    (4, {"tp": 8}),  # dp_shard=-1 resolves to 0
+    (4, {"dp_shard": 2, "spmd_backend": "dtensor"}),  # ParallelismConfig's ValueError
 ]
 
 
@@ -94,8 +101,9 @@ def test_full_dtensor_views_match_the_reference() -> None:
     tp), ``dp_shard`` always real, no ``dp`` / ``fsdp``; the reference's current version agrees."""
     config = {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "spmd_backend": "full_dtensor"}
     observations = assert_matches("torchtitan", 8, config)
-    names = {n for o in observations for n in (*o.groups, *o.absent)}
-    assert "dp_shard" in names and "dp" not in names and "fsdp" not in names
+    for obs in observations:  # get_mesh("dp") / ("fsdp") raise: no such axis under full_dtensor
+        assert "dp_shard" in obs.groups and {"dp", "fsdp"} <= set(obs.absent)
+    assert expect("torchtitan", 8, **config).unavailable()["fsdp"].upstream == "ValueError"
     assert observations[0].groups["dp_shard"].members == (0, 2)
 
 
@@ -178,3 +186,101 @@ def test_build_leaves_environment_unchanged() -> None:
 )
 def test_every_config_matches_reference(case: Any) -> None:
     assert_matches("torchtitan", case.world_size, case.config)
+
+
+# -- every getter of the 0.3.0 public API ---------------------------------------------------------
+ANSWERED: list[tuple[int, dict[str, Any]]] = [
+    (4, {"dp_shard": 2, "tp": 2}),
+    (4, {"dp_shard": 2, "tp": 2, "ep": 4, "spmd_backend": "full_dtensor"}),
+    (4, {"dp_replicate": 2, "cp": 2, "spmd_backend": "partial_dtensor"}),
+    (8, {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "ep": 2}),
+    (8, {"pp": 8}),  # every dense axis off: spmd_meshes() is empty
+]
+
+
+def _answers(world: int, config: dict[str, Any]) -> dict[str, str]:
+    """On a rank: each getter's answer from torchtitan itself: "mesh", "None" or the type of
+    the exception it raised."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshsim.builders import _torchtitan_api as titan_api
+    from meshsim.builders.real import _shims, torchtitan
+
+    _shims.register_fake_backend()
+    dims = torchtitan.parallel_dims(world, config)
+    with _shims.unchanged_environ(), _shims.torchtitan_device(_shims.device_type()):
+        dims.build_mesh()
+        entries = titan_api.entries(dims)
+    return {
+        name: "mesh" if isinstance(e, DeviceMesh) else "None" if e is None else type(e).__name__
+        for name, e in entries.items()
+    }
+
+
+def _reference_answers(world: int, config: dict[str, Any]) -> dict[str, str]:
+    exp = expect("torchtitan", world, **config)
+    answers = {name: "mesh" if len(exp.groups(name)) else "None" for name in exp.kinds()}
+    answers.update({n: str(e.upstream) for n, e in exp.unavailable().items()})
+    return answers
+
+
+@pytest.mark.parametrize(("world", "config"), ANSWERED, ids=case_id)
+def test_every_getter_answers_as_the_reference_says(world: int, config: dict[str, Any]) -> None:
+    """Which calls return a mesh, which return None and which raise (and with which exception
+    type), call by call: the same ~230 names on both sides, none missing, none extra."""
+    per_rank = run(_answers, world, backend="gloo", timeout=TIMEOUT, args=(world, config))
+    assert all(answers == per_rank[0] for answers in per_rank)
+    assert per_rank[0] == _reference_answers(world, config)
+    assert len(per_rank[0]) > 150
+
+
+def test_fake_backed_meshes_are_observed_unproven() -> None:
+    """torchtitan backs off axes with the fake backend, which cannot communicate: the adapter
+    records their ranks from the mesh and proves every real group by an all-gather."""
+    observations = assert_matches("torchtitan", 4, {"dp_shard": 2, "tp": 2})
+    for obs in observations:
+        pp = obs.groups["get_optional_mesh(pp, include_singleton_axes=True)"]
+        assert pp.members == (obs.rank,) and pp.gathered is None
+        assert obs.groups["tp"].gathered == obs.groups["tp"].members
+        assert "pp" in obs.absent and "get_optional_mesh(pp)" in obs.absent
+
+
+def test_a_wrong_reference_is_caught_on_singleton_and_view_kinds() -> None:
+    """torchtitan built dp_shard=4; a reference for dp_replicate=4 agrees on batch and loss but
+    not on the fake-backed dp_replicate / dp_shard meshes nor the dense view's dims."""
+    observations = assert_matches("torchtitan", 4, {"dp_shard": 4})
+    found = diff(observations, expect("torchtitan", 4, dp_replicate=4))
+    assert found is not None
+    wrong = {m.kind for m in found.mismatches}
+    assert "batch" not in wrong and "loss" not in wrong
+    assert {
+        "get_optional_mesh(dp_replicate, include_singleton_axes=True)",
+        "dense[dp_replicate]",
+        "dense[dp_shard]",
+    } <= wrong
+
+
+def _case(world: int, config: dict[str, Any]) -> LayoutCase:
+    return LayoutCase("torchtitan", world, {"version": "current", **config})
+
+
+BACKENDS = ["spmd_types", "partial_dtensor", "full_dtensor"]
+
+
+@pytest.mark.slow
+def test_every_world_16_layout_matches_on_the_fake_backend() -> None:
+    """World 16 on gloo is heavy for a 2-core machine: torchtitan's own ParallelDims builds on
+    the fake backend too (no proofs there); every layout and every refusal is compared."""
+    cases = layouts(16, "torchtitan", versions=["current"], spmd_backends=BACKENDS)
+    refused = [_case(16, c) for c in refused_configs(16)]
+    results = list(verify_many([*cases, *refused], "fake", real=True, timeout=600))
+    failed = [str(r) for r in results if not r.passed]
+    assert not failed, failed[:3]
+    assert sum(bool(r.rejected) for r in results) == len(refused)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 8])
+def test_every_refused_config_is_refused_alike(world: int) -> None:
+    for config in refused_configs(world):
+        assert_refused_alike("torchtitan", world, config)

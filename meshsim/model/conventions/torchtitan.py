@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
+from meshsim.model.conventions import _torchtitan_api as api
 from meshsim.model.conventions import reject_unknown
 from meshsim.model.conventions._torchtitan_legacy import (
     Degrees,
@@ -114,6 +115,8 @@ def expect(world_size: int, **config: Any) -> Expected:
         views = _views(world_size, version, backend, raw)
         degrees = views.degrees
         kinds = views.kinds()
+        if version == "current":
+            kinds.update(api.api_kinds(views))
         roles = pick_roles(kinds, _ROLES)
         layout = views.global_meshes["dense"].root()
         normal["spmd_backend"] = backend
@@ -135,6 +138,8 @@ def _parse(config: Mapping[str, Any]) -> tuple[str, str | None, dict[str, int], 
         raise LayoutError(
             f"spmd_backend {backend!r} does not exist in torchtitan version {version!r}; "
             f"choose from {allowed or 'nothing (leave it out)'}"
+            + (" (0.3.0's ParallelismConfig raises ValueError)" if version == "current" else ""),
+            upstream="ValueError" if version == "current" else None,
         )
     raw: dict[str, int] = {}
     for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp"):
@@ -166,11 +171,19 @@ class _Views:
     degrees: Degrees
     version: str
     backend: str
+    world: Layout  # the 1-D ``world`` mesh every view is unflattened from
     single: dict[str, Layout]  # ``_single_axis_meshes``, in torchtitan's order
     global_meshes: dict[str, Layout]  # ``_global_meshes``: where multi-axis requests are sliced
+    #: answers already computed (``exists`` per axis, slices per request): ~230 getters share them
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def exists(self, axis: str) -> bool:
         """``_mesh_exist``: is the axis backed by a real process group (not ``fake``)?"""
+        if axis not in self.memo:
+            self.memo[axis] = self._exists(axis)
+        return bool(self.memo[axis])
+
+    def _exists(self, axis: str) -> bool:
         if axis == "fsdp":
             return True  # fully_shard needs it, even at degree 1, for mixed precision
         if axis == "dp_shard" and self.backend in self._storage_backends():
@@ -200,7 +213,7 @@ class _Views:
                     mesh_shape=view.shape,
                 )
             else:
-                kinds[axis] = Kind(axis, _DESCRIPTIONS[axis], _not_available(axis))
+                kinds[axis] = Kind(axis, _DESCRIPTIONS[axis], api.not_available(axis))
         return kinds
 
 
@@ -223,15 +236,6 @@ def _check_ep_divides(d: Degrees) -> None:
         f"_unflatten raises ValueError: The product of mesh_sizes={sizes} is "
         f"{math.prod(sizes)}, but the original dimension at dim=0 has size {d.world_size} (the "
         f"torchtitan snapshot in meshsim's conventions raises the first sentence itself)",
-        upstream="ValueError",
-    )
-
-
-def _not_available(dims: str | Sequence[str]) -> LayoutError:
-    enabled = "enabled (size > 1)" if isinstance(dims, str) else "all enabled"
-    return LayoutError(
-        f"Mesh '{dims}' is not available. Ensure the corresponding parallelism dimension is "
-        f"{enabled}.",
         upstream="ValueError",
     )
 
@@ -305,7 +309,7 @@ def _views(world_size: int, version: str, backend: str | None, raw: Mapping[str,
         single["fsdp"] = dense["fsdp"]
     else:
         single["dp_shard"] = dense["dp_shard"]
-    return _Views(d, version, backend, single, global_meshes)
+    return _Views(d, version, backend, world, single, global_meshes)
 
 
 def _views_for(world_size: int, config: Mapping[str, Any]) -> _Views:
@@ -316,27 +320,30 @@ def _views_for(world_size: int, config: Mapping[str, Any]) -> _Views:
 
 def get_mesh(world_size: int, dims: str | Sequence[str], **config: Any) -> Layout:
     """``ParallelDims.get_mesh(dims)``: one axis, or several sliced from the first global view
-    holding them all (dataloading, loss, dense, sparse, then the spmd_types views).
+    holding them all (dataloading, loss, dense, sparse, then the spmd_types views); raises
+    ValueError where an axis is off.
 
     Example: ``get_mesh(8, ["dp_replicate", "fsdp"], dp_replicate=2, dp_shard=2, tp=2,
     spmd_backend="partial_dtensor").shape`` is ``(2, 2)``.
     """
+    return api.get_mesh(_views_for(world_size, config), dims)
+
+
+def get_optional_mesh(
+    world_size: int,
+    dims: str | Sequence[str],
+    *,
+    include_singleton_axes: bool = False,
+    **config: Any,
+) -> Layout | None:
+    """``ParallelDims.get_optional_mesh``: None where an axis is off, unless
+    ``include_singleton_axes`` (then size-1 and fake-backed axes are returned too).
+
+    Example: ``get_optional_mesh(8, "pp", dp_shard=8)`` is None, and with
+    ``include_singleton_axes=True`` a size-1 layout per rank.
+    """
     views = _views_for(world_size, config)
-    names = [dims] if isinstance(dims, str) else list(dims)
-    for name in names:
-        if name not in views.single:
-            raise LayoutError(
-                f"Invalid mesh dim: '{name}'. Valid dimensions are: {list(views.single)}",
-                upstream="ValueError",
-            )
-    if not all(views.exists(name) for name in names):
-        raise _not_available(dims)
-    if len(names) == 1:
-        return views.single[names[0]]
-    for mesh in views.global_meshes.values():
-        if set(names) <= set(mesh.dim_names):
-            return mesh[tuple(names)]
-    raise LayoutError(f"Invalid mesh name combinations {names}.", upstream="ValueError")
+    return api.request(views, dims, singletons=include_singleton_axes)
 
 
 def get_all_one_dimensional_meshes(world_size: int, **config: Any) -> dict[str, Groups]:
