@@ -112,7 +112,13 @@ def autotp_ranks(
     ``[0..3]``, ``[4..7]`` and data ``[0, 4]``, ``[1, 5]``, ...
     """
     tp = tensor_model_parallel_size
-    _check_divides(world_size, tp, "AutoTP needs tensor_model_parallel_size to divide the world")
+    if world_size % tp:
+        # _init_tp_mesh_device does not check: its (world // tp, tp) mesh leaves the last ranks
+        # out, which then fail while the others go on (a hang, not a clean exception).
+        raise LayoutError(
+            f"AutoTP tensor_model_parallel_size {tp} does not divide the world {world_size}: "
+            "_init_tp_mesh_device's (world // tp, tp) mesh would leave ranks out"
+        )
     dp = world_size // tp if data_parallel_size is None else data_parallel_size
     if dp * tp != world_size:
         raise LayoutError(
