@@ -7,7 +7,11 @@ last stage of torch's pipe groups (none when another axis of size > 1 would dead
 ``PipelineModule``), and the MoE expert / expert-data groups are the two halves of an
 ``_unflatten`` of a data-parallel dim (E + D: experts inner; D + E: experts outer): the dense
 one strided by tp for ``enable_expert_tensor_parallelism=True`` with a grid, or every rank of a
-pipeline stage, tp ignored, for DeepSpeed's default path.
+pipeline stage, tp ignored, for DeepSpeed's default path. With ``mp_size > 1`` the stage is a
+``(stage / mp, mp)`` mesh: ``"tp"`` mode unflattens the flattened ``(mp, stage / mp)`` transpose
+(lane-major), ``"sp"`` the stage itself. AutoTP and ``_create_model_parallel`` are the two dims
+of a ``(world / size, size)`` mesh. ``grid=True`` over a topology lacking ``pipe`` or ``data``
+is refused as ``PipelineParallelGrid`` fails (``AttributeError``).
 """
 
 from __future__ import annotations
@@ -73,13 +77,19 @@ def _default_pipe_data(world_size: int) -> tuple[int, int]:
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     axes, dims = topology(world_size, config)
-    grid = {"pipe", "data"} <= set(axes)
+    flag = config.get("grid")
+    grid = {"pipe", "data"} <= set(axes) if flag is None else bool(flag)
     if math.prod(dims) != world_size:
         raise FrameworkRejection(
             "Invalid Grid"
             if grid
             else f"topology covers {math.prod(dims)} ranks, not {world_size}",
             upstream="AssertionError" if grid else None,
+        )
+    lacking = [a for a in ("pipe", "data") if a not in axes]
+    if grid and lacking:
+        raise FrameworkRejection(
+            f"'ProcessCoord' has no attribute {lacking[0]!r}", upstream="AttributeError"
         )
     root = mesh(dims, axes)
     entries: dict[str, Entry] = {axis: root[axis] for axis in axes}
@@ -103,11 +113,59 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
             data = dims[axes.index("data")]
             require(data % ep == 0, f"{data} is not divisible by {ep}")
             entries.update(_expert_groups(world_size, tp, ep, pp, before))
+        elif (config.get("mp_size") or 1) > 1:  # the direct call with mp_size
+            pp = dims[axes.index("pipe")] if grid else 1
+            entries.update(_mp_expert_groups(world_size, ep, config, pp, before))
         else:  # _create_expert_and_data_parallel: the mpu's pp (none without a grid), tp ignored
             pp = dims[axes.index("pipe")] if grid else 1
             require((world_size // pp) % ep == 0, f"{world_size // pp} is not divisible by {ep}")
             entries.update(_expert_groups(world_size, 1, ep, pp, before))
+    for key, names in _HELPERS.items():
+        if config.get(key) is not None:
+            size = min(degree(config, key), world_size)
+            require(world_size % size == 0, f"{world_size} is not divisible by {size}")
+            split = mesh((world_size // size, size), ("helper_data", "helper_model"))
+            for name, dim in zip(names, ("helper_data", "helper_model", "helper_model")):
+                entries[name] = split[dim]
     return collect(entries)
+
+
+#: Opt-in groups.py helpers: (data kind, model kind[, second model kind]) of a (world/size, size)
+#: mesh. AutoTP's model-parallel group is its tensor group.
+_HELPERS: dict[str, tuple[str, ...]] = {
+    "autotp_size": (
+        "groups.get_data_parallel_group",
+        "groups.get_tensor_model_parallel_group",
+        "groups.get_model_parallel_group",
+    ),
+    "model_parallel_size": ("_create_model_parallel.data", "_create_model_parallel.model"),
+}
+
+
+def _mp_expert_groups(
+    world_size: int, ep: int, config: Mapping[str, Any], pp: int, before: bool
+) -> dict[str, Entry]:
+    """``_create_expert_and_data_parallel(ep, mp_size, mp_mode)`` with mp > 1: each stage's
+    ranks, reordered lane-major for ``"tp"``, cut into EP chunks; expert DP zips the chunks."""
+    mp = degree(config, "mp_size")
+    mode = config.get("mp_mode") or "tp"
+    require(not before, "not supported with mp_size > 1", upstream="NotImplementedError")
+    stage = world_size // pp
+    require(stage % ep == 0, f"{stage} is not divisible by {ep}")
+    require(mode != "tp" or stage % mp == 0, f"mp {mp} leaves ranks of a {stage}-rank stage out")
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(world_size).reshape(pp, stage // mp, mp)
+    if mode == "tp":  # lane-major inside each stage
+        ranks = ranks.transpose(1, 2)
+    device = "cuda" if str(torch.distributed.get_backend()) == "nccl" else "cpu"
+    dense = DeviceMesh(
+        device,
+        ranks.reshape(pp, stage // ep, ep),
+        mesh_dim_names=("moe_pipe", "expert_data", "expert"),
+    )
+    return {"expert": dense["expert"], "expert_data": dense["expert_data"]}
 
 
 def _expert_groups(world_size: int, tp: int, ep: int, pp: int, before: bool) -> dict[str, Entry]:

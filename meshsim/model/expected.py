@@ -125,7 +125,7 @@ class Expected:
         exp.kind_of("tensor") == "tp"
     """
 
-    __slots__ = ("_kinds", "_roles", "config", "framework", "layout", "world_size")
+    __slots__ = ("_kinds", "_roles", "config", "framework", "layout", "meshes", "world_size")
 
     def __init__(
         self,
@@ -135,11 +135,15 @@ class Expected:
         kinds: Iterable[Kind],
         roles: Mapping[str, str],
         layout: Layout | None = None,
+        meshes: Mapping[str, Layout] | None = None,
     ) -> None:
         self.framework = framework
         self.world_size = world_size
         self.config: Mapping[str, Any] = MappingProxyType(dict(config))
         self.layout = layout
+        #: Further meshes the framework builds beside ``layout``, by name (OLMo-core's separate
+        #: expert mesh is ``meshes["expert"]``), so their dim names and shape can be checked.
+        self.meshes: Mapping[str, Layout] = MappingProxyType(dict(meshes or {}))
         self._kinds = {k.name: k for k in kinds}
         unknown_roles = set(roles) - set(ROLES)
         if unknown_roles:

@@ -467,3 +467,17 @@ def test_hsdp_cp_equals_legacy_torchtitan(d: dict[str, int]) -> None:
         ("get_pp_mesh", "pp"),
     ]
     assert_same_groups(exp, titan, shared)
+
+
+@pytest.mark.parametrize(("degree", "shape"), [(1, (8, 1)), (4, (2, 4)), (8, (1, 8)), (-1, (1, 8))])
+def test_expert_mesh_is_a_layout(degree: int, shape: tuple[int, int]) -> None:
+    """``build_expert_parallel_mesh`` as a layout: dims (ep_replicate, ep_shard), row-major
+    ranks, so its groups are the layout's own and its dims can be sliced like any mesh."""
+    exp = meshsim.expect("olmo-core", 8, expert_mesh_ep=degree)
+    mesh = exp.meshes["expert"]
+    assert mesh == meshsim.Layout(ep_replicate=shape[0], ep_shard=shape[1])
+    assert mesh.dim_names == ("ep_replicate", "ep_shard") and mesh.shape == shape
+    assert exp.groups("expert:get_ep_mesh") == mesh.groups("ep_shard")
+    assert exp.groups("ep_replicate") == mesh.groups("ep_replicate")
+    assert set(exp.meshes) == {"expert"}
+    assert dict(meshsim.expect("olmo-core", 8, dp="fsdp").meshes) == {}

@@ -9,6 +9,7 @@ import pytest
 from meshsim import expect, layouts
 from meshsim.checks import diff
 from meshsim.harness import run
+from meshsim.model.conventions.deepspeed import refused_configs
 from tests.real._helpers import (
     TIMEOUT,
     assert_matches,
@@ -50,6 +51,10 @@ WORLD_8: list[dict[str, Any]] = [
     {"axes": ["pipe", "data", "seq"], "dims": [1, 2, 4], "ep": 4},
     {"axes": ["x", "y"], "dims": [2, 4], "ep": 2},
     {"axes": ["pipe", "model"], "dims": [2, 4], "ep": 2, ETP: True},  # no grid: no mpu
+    {"axes": ["pipe", "data"], "dims": [2, 4], "grid": False, "ep": 2},  # bare: pp ignored
+    {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 2, "mp_size": 2},  # AutoEP, TP-strided
+    {"num_mp": 2, "num_dp": 4, "ep": 4, "mp_size": 2, "mp_mode": "sp"},
+    {"num_pp": 2, "num_mp": 1, "num_dp": 4, "autotp_size": 4, "model_parallel_size": 2},
 ]
 REFUSED: list[tuple[int, dict[str, Any]]] = [
     (8, {"num_pp": 3}),  # AssertionError "Invalid Grid"
@@ -58,6 +63,10 @@ REFUSED: list[tuple[int, dict[str, Any]]] = [
     (8, {"num_pp": 4, "num_mp": 1, "num_dp": 2, "ep": 4}),  # a stage's 2 ranks, ep 4
     (8, {"num_pp": 2, "num_mp": 2, "num_dp": 2, "ep": 4, ETP: True}),  # grid dp 2, ep 4
     (8, {"axes": ["pipe", "data", "seq"], "dims": [1, 2, 4], "ep": 4, ETP: True}),
+    (4, {"axes": ["data", "model"], "dims": [2, 2], "grid": True}),  # AttributeError: .pipe
+    (4, {"axes": ["pipe", "model"], "dims": [2, 2], "grid": True}),  # AttributeError: .data
+    (4, {"num_mp": 2, "num_dp": 2, "ep": 2, "mp_size": 2, BEFORE: True}),  # NotImplementedError
+    (4, {"model_parallel_size": 3, "num_pp": 4}),  # AssertionError: 4 is not divisible by 3
 ]
 
 
@@ -192,3 +201,97 @@ def test_moe_groups_are_rebuilt_per_build() -> None:
 @pytest.mark.parametrize("case", layouts(4, "deepspeed") + layouts(8, "deepspeed"), ids=case_id)
 def test_every_config_matches_reference(case: Any) -> None:
     assert_matches("deepspeed", case.world_size, case.config, unobserved=["p2p"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", layouts(16, "deepspeed"), ids=case_id)
+def test_every_config_matches_reference_world_16(case: Any) -> None:
+    assert_matches("deepspeed", 16, case.config, unobserved=["p2p"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "config"),
+    [(w, c) for w in (8, 16) for c in refused_configs(w)],
+    ids=case_id,
+)
+def test_every_listed_refusal_is_reproduced(world: int, config: dict[str, Any]) -> None:
+    assert_refused_alike("deepspeed", world, config)
+
+
+def _topologies() -> list[tuple[list[str], list[int]]]:
+    """Every topology the sweeps at 8 and 16 use, plus raw ones with extra axes."""
+    seen = {
+        (tuple(e.config["axes"]), tuple(e.config["dims"]))
+        for w in (8, 16)
+        for e in (expect("deepspeed", w, **c.config) for c in layouts(w, "deepspeed"))
+    }
+    seen |= {(("pipe", "data", "seq", "model"), (2, 2, 2, 2)), (("x", "y"), (4, 4))}
+    return [(list(a), list(d)) for a, d in sorted(seen)]
+
+
+def test_rank_repr_and_comm_lists_equal_deepspeed_process_topology() -> None:
+    """``get_rank_repr`` (default and custom omit/separators), ``get_axis_comm_lists`` of every
+    axis and of unknown ones (DeepSpeed: ``[]``) and ``get_dim`` (0 when unknown), against
+    DeepSpeed's own ``ProcessTopology`` for every topology the sweeps list at 8 and 16."""
+    from meshsim.builders.real import _shims
+    from meshsim.model.conventions.deepspeed import ProcessTopology
+
+    (topo_module,) = _shims.load("deepspeed.runtime.pipe.topology")
+    topologies = _topologies()
+    assert len(topologies) > 30
+    for axes, dims in topologies:
+        real, ours = topo_module.ProcessTopology(axes, dims), ProcessTopology(axes, dims)
+        for axis in [*axes, "pipe", "data", "model", "expert", "nope"]:
+            assert ours.get_axis_comm_lists(axis) == real.get_axis_comm_lists(axis), (axes, axis)
+            assert ours.get_dim(axis) == real.get_dim(axis)
+        for rank in range(real.world_size()):
+            assert ours.get_rank_repr(rank) == real.get_rank_repr(rank)
+            custom = {"omit_axes": ["model"], "inner_sep": "+", "outer_sep": "/"}
+            assert ours.get_rank_repr(rank, **custom) == real.get_rank_repr(rank, **custom)
+    assert ProcessTopology(["pipe", "data"], [2, 4]).get_axis_comm_lists("model") == []
+
+
+def test_partition_parts_equal_deepspeed_partitioners() -> None:
+    """``partition_parts`` against DeepSpeed's ``partition_uniform`` / ``partition_balanced``
+    (what ``PipelineModule`` calls for ``"uniform"`` / ``"parameters"``), on many weight lists."""
+    import random
+
+    from meshsim.builders.real import _shims
+    from meshsim.model.conventions.deepspeed import partition_parts
+
+    (utils,) = _shims.load("deepspeed.runtime.utils")
+    rng = random.Random(9)
+    for _ in range(300):
+        stages = rng.randint(1, 6)
+        weights = [rng.choice([0, 1, 2, 5, 17, 100]) for _ in range(rng.randint(1, 12))]
+        balanced = [int(p) for p in utils.partition_balanced(weights=weights, num_parts=stages)]
+        assert partition_parts(stages, weights, "parameters") == balanced, (stages, weights)
+        uniform = utils.partition_uniform(num_items=len(weights), num_parts=stages)
+        assert partition_parts(stages, weights, "uniform") == uniform
+
+
+def _module_parts(world: int, method: str, widths: list[int]) -> list[int]:
+    """``PipelineModule.parts`` of a stack of ``Linear(w, w)`` layers (parameters w*w + w)."""
+    import torch
+
+    from meshsim.builders.real import _shims
+
+    (topo_module, pipe_module) = _shims.load(
+        "deepspeed.runtime.pipe.topology", "deepspeed.runtime.pipe.module"
+    )
+    with _shims.unchanged_environ(), _shims.deepspeed_comm():
+        topo = topo_module.PipeDataParallelTopology(num_pp=world, num_dp=1)
+        layers = [pipe_module.LayerSpec(torch.nn.Linear, w, w) for w in widths]
+        module = pipe_module.PipelineModule(layers=layers, topology=topo, partition_method=method)
+        return [int(p) for p in module.parts]
+
+
+@pytest.mark.parametrize("method", ["uniform", "parameters"])
+def test_pipeline_module_parts_match_reference(method: str) -> None:
+    """A live ``PipelineModule`` on 4 gloo ranks: every rank's ``parts`` is the reference's."""
+    from meshsim.model.conventions.deepspeed import partition_parts
+
+    widths = [8, 1, 1, 1, 4, 4, 2, 1, 1, 6]
+    parts = run(_module_parts, 4, backend="gloo", timeout=TIMEOUT, args=(4, method, widths))
+    assert parts == [partition_parts(4, [w * w + w for w in widths], method)] * 4

@@ -127,3 +127,33 @@ def test_build_leaves_environment_unchanged() -> None:
 @pytest.mark.parametrize("case", layouts(4, "olmo-core") + layouts(8, "olmo-core"), ids=case_id)
 def test_every_config_matches_reference(case: Any) -> None:
     assert_matches("olmo-core", case.world_size, case.config)
+
+
+def _expert_layouts(world: int, degrees: list[int]) -> list[Any]:
+    from meshsim.builders.real import olmo_core
+
+    return [olmo_core.expert_mesh(world, {"expert_mesh_ep": d}) for d in degrees]
+
+
+def _assert_expert_meshes(world: int, degrees: list[int]) -> None:
+    per_rank = run(_expert_layouts, world, backend="gloo", timeout=TIMEOUT, args=(world, degrees))
+    expected = [expect("olmo-core", world, expert_mesh_ep=d).meshes["expert"] for d in degrees]
+    assert all(layouts_seen == expected for layouts_seen in per_rank), (per_rank[0], expected)
+
+
+def test_expert_mesh_layout_matches_reference() -> None:
+    """OLMo's own ``build_expert_parallel_mesh``: dim names and rank array on every rank equal
+    ``Expected.meshes["expert"]`` (a ``meshsim.Layout``)."""
+    _assert_expert_meshes(4, [1, 2, 4, -1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [8, 16])
+def test_expert_mesh_layout_matches_reference_every_degree(world: int) -> None:
+    _assert_expert_meshes(world, [*(d for d in range(1, world + 1) if world % d == 0), -1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", layouts(16, "olmo-core"), ids=case_id)
+def test_every_config_matches_reference_world_16(case: Any) -> None:
+    assert_matches("olmo-core", 16, case.config)

@@ -234,6 +234,15 @@ def deepspeed_clean_moe_state() -> Iterator[Any]:
         for cache in caches:
             cache.clear()
         groups.mpu = None
+        # AutoTP's groups are module globals too; _init_tp_mesh_device returns early when set.
+        for name in (
+            "_TENSOR_MODEL_PARALLEL_GROUP",
+            "_MODEL_PARALLEL_GROUP",
+            "_DATA_PARALLEL_GROUP",
+            "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+            "_MPU_TENSOR_MODEL_PARALLEL_RANK",
+        ):
+            setattr(groups, name, None)
 
     clear()
     try:

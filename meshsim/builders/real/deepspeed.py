@@ -22,6 +22,17 @@ kind names of ``meshsim.model.conventions.deepspeed``:
   DeepSpeed itself picks ``_create_expert_and_data_parallel`` or, with the flag and an mpu,
   ``_create_expert_data_and_model_parallel``.
 
+* with ``mp_size``: ``groups._create_expert_and_data_parallel(ep, mp_size=..., mp_mode=...)``
+  called directly, as the engine's AutoEP path does, with the grid as ``groups.mpu``;
+* ``groups.get_tensor_model_parallel_group`` / ``get_model_parallel_group`` /
+  ``get_data_parallel_group`` (config ``autotp_size``): after AutoTP's ``_init_tp_mesh_device``;
+* ``_create_model_parallel.data`` / ``.model`` (config ``model_parallel_size``): the two groups
+  ``groups._create_model_parallel`` returns.
+
+``grid=True`` builds the grid whatever the axes (so a topology without ``pipe`` / ``data`` fails
+as in DeepSpeed, ``AttributeError``); ``grid=False`` builds none and observes the bare topology's
+``get_axis_comm_lists`` groups.
+
 ``grid.p2p_groups`` (``[rank, next stage]`` lists, not process groups) is not observed: every
 rank sits in two pairs, so a per-rank diff cannot pick "its" pair; :func:`p2p_groups` returns
 the list for a direct comparison with the reference's ``p2p`` kind.
@@ -87,7 +98,8 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     ):
         entries: dict[str, Entry] = {}
         grid = None
-        if {"pipe", "data"} <= set(axes):
+        flag = config.get("grid")
+        if ({"pipe", "data"} <= set(axes)) if flag is None else bool(flag):
             with framework_refusals():
                 grid = topo_module.PipelineParallelGrid(topology=topo)
             topo = grid.topology()
@@ -104,7 +116,26 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
                 entries[axis] = _comm_list_group(ds_comm, topo.get_axis_comm_lists(axis))
         if config.get("ep") is not None:
             entries.update(_expert_entries(groups, moe_layer, grid, config))
+        entries.update(_helper_entries(groups, config))
         return collect(entries)
+
+
+def _helper_entries(groups: Any, config: Mapping[str, Any]) -> dict[str, Entry]:
+    """AutoTP's and ``_create_model_parallel`` 's groups, when the config asks for them."""
+    entries: dict[str, Entry] = {}
+    with framework_refusals():
+        if config.get("autotp_size") is not None:
+            groups._init_tp_mesh_device(tensor_model_parallel_size=config["autotp_size"])
+            entries["groups.get_tensor_model_parallel_group"] = (
+                groups.get_tensor_model_parallel_group()
+            )
+            entries["groups.get_model_parallel_group"] = groups.get_model_parallel_group()
+            entries["groups.get_data_parallel_group"] = groups.get_data_parallel_group()
+        if config.get("model_parallel_size") is not None:
+            data, model = groups._create_model_parallel(config["model_parallel_size"])
+            entries["_create_model_parallel.data"] = data
+            entries["_create_model_parallel.model"] = model
+    return entries
 
 
 def p2p_groups(world_size: int, config: Mapping[str, Any]) -> list[tuple[int, ...]]:
@@ -180,6 +211,17 @@ def _expert_entries(
     name = f"ep_size_{ep}"
     with framework_refusals():
         groups.mpu = grid
+        if config.get("mp_size") is not None:
+            groups._create_expert_and_data_parallel(
+                ep,
+                mp_size=config["mp_size"],
+                mp_mode=config.get("mp_mode") or "tp",
+                use_data_before_expert_parallel_=before,
+            )
+            return {
+                "expert": groups._get_expert_parallel_group(name),
+                "expert_data": groups._get_expert_data_parallel_group(name),
+            }
         layer = moe_layer.MoE(
             hidden_size=1,
             expert=torch.nn.Linear(1, 1),

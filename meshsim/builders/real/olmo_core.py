@@ -21,6 +21,7 @@ from meshsim.builders._common import Entry, collect
 from meshsim.builders.real import _shims
 from meshsim.builders.real._adapter import check_keys, framework_refusals
 from meshsim.checks import Observation
+from meshsim.model.layout import Layout
 
 #: Getters observed on each mesh, in the reference's order (names are OLMo's function names).
 GETTERS = (
@@ -64,6 +65,18 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
                 expert = parallel.build_expert_parallel_mesh(ep, device_type=device)
             entries.update(_mesh_entries(parallel, expert, prefix="expert:"))
         return collect(entries)
+
+
+def expert_mesh(world_size: int, config: Mapping[str, Any]) -> Layout:
+    """OLMo's own ``build_expert_parallel_mesh`` as a :class:`Layout` (its dim names and rank
+    array), to compare with ``Expected.meshes["expert"]``; run on every rank."""
+    (parallel,) = _shims.load("olmo_core.distributed.parallel")
+    del world_size
+    with _shims.unchanged_environ(), _shims.olmo_fresh_world_mesh():
+        with framework_refusals():
+            ep = parallel.ExpertParallelConfig(degree=config["expert_mesh_ep"])
+            mesh = parallel.build_expert_parallel_mesh(ep, device_type=_shims.device_type())
+        return Layout.from_mesh(mesh.mesh.tolist(), mesh.mesh_dim_names)
 
 
 def _configs(parallel: Any, config: Mapping[str, Any]) -> dict[str, Any]:

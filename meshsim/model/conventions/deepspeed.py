@@ -17,18 +17,35 @@ model), ``PipeDataParallelTopology(num_pp, num_dp)`` when ``num_mp`` is not give
   creates, with the grid as ``groups.mpu`` (as the engine sets it). With
   ``enable_expert_tensor_parallelism=False`` (DeepSpeed's default), or without a grid (no
   ``mpu``), ``_create_expert_and_data_parallel(ep)``, which ignores tensor parallelism; with
-  ``True`` and a grid, ``_create_expert_data_and_model_parallel`` (``_get_expert_parallel_ranks``).
+  ``True`` and a grid, ``_create_expert_data_and_model_parallel`` (``_get_expert_parallel_ranks``);
+  with ``mp_size`` the engine's direct ``_create_expert_and_data_parallel(ep, mp_size, mp_mode)``.
+
+``grid`` tells a bare ``ProcessTopology`` (``False``: only ``get_axis_comm_lists`` groups) from a
+``PipelineParallelGrid`` built on it (``True``: the grid reads every rank's ``pipe`` and ``data``
+coordinate, so a topology without either axis raises ``AttributeError``); unset, a topology is a
+grid exactly when it has both axes. Helpers of ``deepspeed.utils.groups`` outside the grid, each
+opt-in: ``autotp_size`` (AutoTP's ``_init_tp_mesh_device``: kinds ``groups.get_*_group``) and
+``model_parallel_size`` (``_create_model_parallel``: kinds ``_create_model_parallel.data`` /
+``.model``). ``partition_parts`` gives ``PipelineModule.parts``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
 
 from meshsim.errors import LayoutError
 from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions._deepspeed_configs import configs, refused_configs
+from meshsim.model.conventions._deepspeed_groups import (
+    MP_MODES,
+    autotp_ranks,
+    create_model_parallel_ranks,
+    mp_expert_and_data_parallel_ranks,
+    partition_parts,
+)
 from meshsim.model.conventions._deepspeed_topology import (
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,
@@ -40,19 +57,24 @@ from meshsim.model.conventions._deepspeed_topology import (
 )
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
-from meshsim.model.sweep import divisors, ordered_factorizations
 
 __all__ = [
+    "MP_MODES",
     "PARAMETERS",
     "PipeDataParallelTopology",
     "PipeModelDataParallelTopology",
     "ProcessTopology",
+    "autotp_ranks",
     "configs",
+    "create_model_parallel_ranks",
     "default_topology",
     "expect",
     "expert_and_data_parallel_ranks",
     "expert_parallel_ranks",
+    "mp_expert_and_data_parallel_ranks",
+    "partition_parts",
     "prime_factors",
+    "refused_configs",
     "topology",
 ]
 
@@ -67,6 +89,13 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "enable_expert_tensor_parallelism": "MoE(enable_expert_tensor_parallelism=...): True takes "
     "the expert-tensor-parallel groups of _get_expert_parallel_ranks (needs the grid as mpu); "
     "False (default, as DeepSpeed) _create_expert_and_data_parallel, which ignores tp",
+    "mp_size": "MoE groups from _create_expert_and_data_parallel(ep, mp_size=...) called directly "
+    "(the engine's AutoEP path); > 1 takes its TP-strided ('tp') or consecutive ('sp') order",
+    "mp_mode": "with mp_size: 'tp' (default) or 'sp'",
+    "grid": "True: build PipelineParallelGrid on the topology (needs pipe and data axes); False: "
+    "a bare ProcessTopology; None (default): a grid when it has both axes",
+    "autotp_size": "also AutoTP's groups._init_tp_mesh_device(tensor_model_parallel_size=...)",
+    "model_parallel_size": "also groups._create_model_parallel(model_parallel_size_)",
 }
 #: Axes ``PipelineModule._index_tied_modules`` knows: it loops over data and model coordinates.
 _TIED_AXES: Final = frozenset({"pipe", "data", "model"})
@@ -118,13 +147,21 @@ def expect(world_size: int, **config: Any) -> Expected:
     topo = topology(world_size, config)
     layout = topo.layout
     axes = topo.get_axis_names()
-    grid = {"pipe", "data"} <= set(axes)
+    grid = _is_grid(config.get("grid"), axes)
     if layout.world_size != world_size:
         raise LayoutError(
             f"{topo} covers {layout.world_size} ranks, not the world size {world_size}; the dims "
             "must multiply to the world size"
             + (" (PipelineParallelGrid asserts 'Invalid Grid')" if grid else ""),
             upstream="AssertionError" if grid else None,
+        )
+    missing = [a for a in ("pipe", "data") if a not in axes]
+    if grid and missing:
+        raise LayoutError(
+            f"PipelineParallelGrid needs the topology's {missing[0]!r} axis: it reads every "
+            f"rank's coordinate .{'pipe' if 'pipe' in missing else 'data'} and {topo} has none; "
+            "use grid=False for a bare ProcessTopology",
+            upstream="AttributeError",
         )
     kinds = {a: layout_kind(layout, a, f"get_axis_comm_lists({a!r})", a) for a in axes}
     if grid:
@@ -135,21 +172,97 @@ def expect(world_size: int, **config: Any) -> Expected:
     expert_tp = False if expert_tp is None else expert_tp
     if not isinstance(expert_tp, (bool, np.bool_)):
         raise LayoutError(f"enable_expert_tensor_parallelism must be a bool, got {expert_tp!r}")
+    mp_size = config.get("mp_size")
+    mp_mode = config.get("mp_mode")
+    if (mp_size is not None or mp_mode is not None) and ep is None:
+        raise LayoutError("mp_size / mp_mode describe the MoE groups: give ep as well")
+    if mp_size is not None and expert_tp:
+        raise LayoutError(
+            "mp_size is the direct _create_expert_and_data_parallel call, "
+            "enable_expert_tensor_parallelism the MoE layer's choice: give one of them"
+        )
+    mp_mode = "tp" if mp_mode is None else mp_mode
+    if mp_mode not in MP_MODES:
+        raise LayoutError(f"mp_mode must be one of {MP_MODES}, got {mp_mode!r}")
     if ep is not None:
-        kinds.update(_expert_kinds(topo, world_size, _degree("ep", ep), before, bool(expert_tp)))
+        pp = max(topo.get_dim("pipe"), 1) if grid else 1
+        mp = None if mp_size is None else _degree("mp_size", mp_size)
+        if mp is not None and mp > 1:
+            experts, expert_data = mp_expert_and_data_parallel_ranks(
+                world_size, _degree("ep", ep), mp, mp_mode, pp, before
+            )
+            kinds.update(_expert_pair(experts, expert_data, f"mp_size {mp}, mp_mode {mp_mode!r}"))
+        else:
+            kinds.update(
+                _expert_kinds(topo, world_size, _degree("ep", ep), before, bool(expert_tp), grid)
+            )
+    kinds.update(_helper_kinds(world_size, config))
     roles = {r: k for r, k in _ROLE_KINDS.items() if k in kinds and kinds[k].available}
     normal = {
         "axes": tuple(axes),
         "dims": tuple(topo.dims),
+        "grid": grid,
         "ep": ep,
         "use_data_before_expert_parallel_": before,
         "enable_expert_tensor_parallelism": bool(expert_tp),
+        "mp_size": mp_size,
+        "mp_mode": mp_mode if mp_size is not None else None,
+        "autotp_size": config.get("autotp_size"),
+        "model_parallel_size": config.get("model_parallel_size"),
     }
     return Expected("deepspeed", world_size, normal, kinds.values(), roles, layout=layout)
 
 
+def _is_grid(flag: object, axes: list[str]) -> bool:
+    if flag is None:
+        return {"pipe", "data"} <= set(axes)
+    if not isinstance(flag, (bool, np.bool_)):
+        raise LayoutError(f"grid must be True, False or None, got {flag!r}")
+    return bool(flag)
+
+
+def _helper_kinds(world_size: int, config: Mapping[str, Any]) -> dict[str, Kind]:
+    """The opt-in ``deepspeed.utils.groups`` helpers: AutoTP and ``_create_model_parallel``."""
+    kinds: dict[str, Kind] = {}
+    if config.get("autotp_size") is not None:
+        data, tensor = autotp_ranks(world_size, _degree("autotp_size", config["autotp_size"]))
+        why = "AutoTP _init_tp_mesh_device"
+        kinds["groups.get_tensor_model_parallel_group"] = Kind(
+            "groups.get_tensor_model_parallel_group", f"{why}: tensor-parallel group", tensor
+        )
+        kinds["groups.get_model_parallel_group"] = Kind(
+            "groups.get_model_parallel_group", f"{why}: model-parallel group (= tensor)", tensor
+        )
+        kinds["groups.get_data_parallel_group"] = Kind(
+            "groups.get_data_parallel_group", f"{why}: data-parallel group", data
+        )
+    if config.get("model_parallel_size") is not None:
+        size = _degree("model_parallel_size", config["model_parallel_size"])
+        data, model = create_model_parallel_ranks(world_size, size)
+        kinds["_create_model_parallel.data"] = Kind(
+            "_create_model_parallel.data", "_create_model_parallel(): its data-parallel group", data
+        )
+        kinds["_create_model_parallel.model"] = Kind(
+            "_create_model_parallel.model",
+            "_create_model_parallel(): its model-parallel group",
+            model,
+        )
+    return kinds
+
+
+def _expert_pair(experts: Groups, expert_data: Groups, path: str) -> dict[str, Kind]:
+    return {
+        "expert": Kind("expert", f"expert-parallel group (MoE all-to-all; {path})", experts),
+        "expert_data": Kind(
+            "expert_data",
+            f"expert data-parallel group (reduces expert gradients; {path})",
+            expert_data,
+        ),
+    }
+
+
 def _expert_kinds(
-    topo: ProcessTopology, world_size: int, ep: int, before: bool, expert_tp: bool
+    topo: ProcessTopology, world_size: int, ep: int, before: bool, expert_tp: bool, grid: bool
 ) -> dict[str, Kind]:
     """``MoE(ep_size=ep, enable_expert_tensor_parallelism=expert_tp)`` 's groups, with
     ``groups.mpu`` the grid (None when the topology is no grid).
@@ -160,7 +273,6 @@ def _expert_kinds(
     groups ``[0, 1]``, ``[2, 3]``, ... by default and ``[0, 2]``, ``[4, 6]``, ``[1, 3]``, ...
     with the flag.
     """
-    grid = {"pipe", "data"} <= set(topo.get_axis_names())
     if grid and expert_tp:
         tp, pp = max(topo.get_dim("model"), 1), max(topo.get_dim("pipe"), 1)
         dp = topo.get_dim("data")  # the mpu's data-parallel world size
@@ -176,14 +288,7 @@ def _expert_kinds(
         pp = max(topo.get_dim("pipe"), 1) if grid else 1
         experts, expert_data = expert_and_data_parallel_ranks(world_size, ep, pp, before)
         path = "_create_expert_and_data_parallel, tp ignored"
-    return {
-        "expert": Kind("expert", f"expert-parallel group (MoE all-to-all; {path})", experts),
-        "expert_data": Kind(
-            "expert_data",
-            f"expert data-parallel group (reduces expert gradients; {path})",
-            expert_data,
-        ),
-    }
+    return _expert_pair(experts, expert_data, path)
 
 
 def _grid_kinds(topo: ProcessTopology) -> dict[str, Kind]:
@@ -255,28 +360,3 @@ def _degree(key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise LayoutError(f"{key} must be an integer >= 1, got {value!r}")
     return int(value)
-
-
-def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every ``PipeModelDataParallelTopology`` of ``world_size``, then each with every MoE
-    ``ep > 1`` dividing ``num_dp``, in E + D and D + E layouts, each with
-    ``enable_expert_tensor_parallelism`` False and True (``moe=False`` skips those). The two
-    MoE paths differ only when ``num_mp > 1``; both are swept everywhere so that the sweep shows
-    they agree otherwise. World 8 gives 50 configs."""
-    shapes = list(ordered_factorizations(world_size, 3))
-    for num_pp, num_mp, num_dp in shapes:
-        yield {"num_pp": num_pp, "num_mp": num_mp, "num_dp": num_dp}
-    if not options.get("moe", True):
-        return
-    for num_pp, num_mp, num_dp in shapes:
-        for ep in divisors(num_dp)[1:]:
-            for before in (False, True):
-                for expert_tp in (False, True):
-                    yield {
-                        "num_pp": num_pp,
-                        "num_mp": num_mp,
-                        "num_dp": num_dp,
-                        "ep": ep,
-                        "use_data_before_expert_parallel_": before,
-                        "enable_expert_tensor_parallelism": expert_tp,
-                    }

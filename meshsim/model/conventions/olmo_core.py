@@ -10,20 +10,21 @@ is a kind whose source is OLMo's "could not determine ..." error.
 The ``dp`` + ``ep`` -> ``dp_ep`` flatten exists upstream but is unreachable from
 ``build_world_mesh`` (EP needs HSDP, which reuses ``dp_shard``), so no ``dp_ep`` kind ever appears.
 ``build_expert_parallel_mesh`` (config key ``expert_mesh_ep``) adds ``ep_replicate``, ``ep_shard``
-and the same getters on that mesh, prefixed ``expert:`` (``expert:get_ep_mesh``, ``expert:dp``).
+and the same getters on that mesh, prefixed ``expert:`` (``expert:get_ep_mesh``, ``expert:dp``);
+the mesh itself, dim names and shape, is ``Expected.meshes["expert"]``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
 from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions._olmo_core_configs import configs as configs
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
 
 PARAMETERS: Final[Mapping[str, str]] = {
     "dp": "DataParallelConfig.name: 'ddp', 'fsdp' or 'hsdp' (None: no data-parallel config)",
@@ -88,14 +89,18 @@ def expect(world_size: int, **config: Any) -> Expected:
             roles[role] = f"get_{getter}_mesh"
     if cfg["ep"] is not None:
         roles["expert"] = "get_ep_mesh"  # HSDP + EP: the ep mesh is dp_shard
+    meshes: dict[str, Layout] = {}
     if cfg["expert_mesh_ep"] is not None:
-        expert_kinds, _ = _mesh_kinds(_expert_root(world_size, cfg["expert_mesh_ep"]), "expert:")
+        meshes["expert"] = _expert_root(world_size, cfg["expert_mesh_ep"])
+        expert_kinds, _ = _mesh_kinds(meshes["expert"], "expert:")
         kinds.update(expert_kinds)
         # A dedicated expert mesh is what the MoE layers use when it is built.
         roles["expert"] = "expert:get_ep_mesh"
         roles["expert_data"] = "ep_replicate"
     normal = {k: v for k, v in cfg.items() if v is not None}
-    return Expected("olmo-core", world_size, normal, kinds.values(), roles, layout=root)
+    return Expected(
+        "olmo-core", world_size, normal, kinds.values(), roles, layout=root, meshes=meshes
+    )
 
 
 def _normalize(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -399,30 +404,3 @@ def _mesh_kinds(root: Layout, prefix: str) -> tuple[dict[str, Kind], Layout]:
     for getter, view in views.items():
         kinds[prefix + getter] = _view_kind(prefix + getter, f"{where}: {_GETTERS[getter]}", view)
     return kinds, full
-
-
-def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every valid OLMo-core config: no config, then each dp type x factorizations of pp/cp/tp.
-
-    A degree of 1 is left out (config absent) to keep sweeps small; present size-1 configs are
-    covered by the tests instead. HSDP splits the DP world every way (``num_replicas``) and adds
-    EP (= the shard degree, when > 1) where tp is absent. ``dp_types=`` restricts the dp types;
-    ``expert_mesh=False`` drops the ``build_expert_parallel_mesh`` configs (one per divisor).
-    World 8 gives 90 configs.
-    """
-    dp_types = tuple(options.get("dp_types", _DP_TYPES))
-    yield {}
-    for pp, cp, tp, dp_world in ordered_factorizations(world_size, 4):
-        degrees = {key: d for key, d in (("pp", pp), ("cp", cp), ("tp", tp)) if d > 1}
-        for dp in dp_types:
-            if dp != "hsdp":
-                yield {"dp": dp, **degrees}
-                continue
-            for replicas in divisors(dp_world):
-                yield {"dp": dp, "num_replicas": replicas, **degrees}
-                shard = dp_world // replicas
-                if tp == 1 and shard > 1:
-                    yield {"dp": dp, "num_replicas": replicas, "ep": shard, **degrees}
-    if options.get("expert_mesh", True):
-        for ep in divisors(world_size):
-            yield {"expert_mesh_ep": ep}

@@ -1,0 +1,87 @@
+"""Live counts for the closing note: for every config ``meshsim.layouts(N, fw)`` lists, build it
+with the real framework on gloo, diff every kind, and reproduce the listed rejections.
+
+Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework).
+Prints one JSON line: layouts, kinds compared, kinds equal, rejections tried / reproduced, time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import meshsim
+from meshsim.checks import ObservedLayout, diff
+from meshsim.errors import LayoutError
+
+
+def _refusals(framework: str, world: int) -> list[dict[str, Any]]:
+    if framework == "deepspeed":
+        from meshsim.model.conventions._deepspeed_configs import refused_configs
+
+        return list(refused_configs(world))
+    from tests.real.test_olmo_core import REFUSED_4
+
+    keep = []
+    for config in REFUSED_4:
+        try:
+            meshsim.expect(framework, world, **config)
+        except LayoutError:
+            keep.append(config)
+    return keep
+
+
+def main(framework: str, world: int, backend: str = "gloo") -> dict[str, Any]:
+    from tests.real._helpers import adapter, real_outcomes
+
+    start = time.perf_counter()
+    compared = equal = layouts = 0
+    mismatched: list[str] = []
+    for case in meshsim.layouts(world, framework):
+        layouts += 1
+        expected = meshsim.expect(framework, world, **case.config)
+        observed = meshsim.run(
+            adapter(framework).build,
+            world,
+            backend=backend,
+            timeout=300,
+            args=(world, dict(case.config)),
+        )
+        names = set(expected.kinds()) | set(expected.unavailable())
+        names.discard("p2p")  # grid.p2p_groups is a list, compared by its own test
+        seen = set(ObservedLayout.of(list(observed)).names())
+        for kind in sorted(names):
+            compared += 1
+            if kind in seen and diff(list(observed), expected, kinds=[kind]) is None:
+                equal += 1
+            else:
+                mismatched.append(f"{case.id}:{kind}")
+    refusals = _refusals(framework, world)
+    reproduced = 0
+    for config in refusals:
+        with_upstream = None
+        try:
+            meshsim.expect(framework, world, **config)
+        except LayoutError as error:
+            with_upstream = error.upstream
+        outcomes = real_outcomes(framework, world, config) if backend == "gloo" else []
+        if outcomes and all(o[0] == "refused" and o[2] == with_upstream for o in outcomes):
+            reproduced += 1
+    return {
+        "framework": framework,
+        "world": world,
+        "backend": backend,
+        "layouts": layouts,
+        "kinds_compared": compared,
+        "kinds_equal": equal,
+        "mismatched": mismatched[:20],
+        "rejections": len(refusals),
+        "rejections_reproduced": reproduced,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])), flush=True)

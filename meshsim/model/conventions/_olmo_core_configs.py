@@ -1,0 +1,40 @@
+"""The configs the OLMo-core convention sweeps (``meshsim.layouts(n, "olmo-core")``), apart
+from the reference so that module keeps to one job."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from meshsim.model.sweep import divisors, ordered_factorizations
+
+__all__ = ["configs"]
+
+
+def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
+    """Every valid OLMo-core config: no config, then each dp type x factorizations of pp/cp/tp.
+
+    A degree of 1 is left out (config absent) to keep sweeps small; present size-1 configs are
+    covered by the tests instead. HSDP splits the DP world every way (``num_replicas``) and adds
+    EP (= the shard degree, when > 1) where tp is absent. ``dp_types=`` restricts the dp types;
+    ``expert_mesh=False`` drops the ``build_expert_parallel_mesh`` configs (one per divisor).
+    World 8 gives 90 configs.
+    """
+    from meshsim.model.conventions.olmo_core import _DP_TYPES
+
+    dp_types = tuple(options.get("dp_types", _DP_TYPES))
+    yield {}
+    for pp, cp, tp, dp_world in ordered_factorizations(world_size, 4):
+        degrees = {key: d for key, d in (("pp", pp), ("cp", cp), ("tp", tp)) if d > 1}
+        for dp in dp_types:
+            if dp != "hsdp":
+                yield {"dp": dp, **degrees}
+                continue
+            for replicas in divisors(dp_world):
+                yield {"dp": dp, "num_replicas": replicas, **degrees}
+                shard = dp_world // replicas
+                if tp == 1 and shard > 1:
+                    yield {"dp": dp, "num_replicas": replicas, "ep": shard, **degrees}
+    if options.get("expert_mesh", True):
+        for ep in divisors(world_size):
+            yield {"expert_mesh_ep": ep}
