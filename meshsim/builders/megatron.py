@@ -69,8 +69,8 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     entries: dict[str, Entry] = {}
     groups = {token: _token_mesh(decoder, token) for token in _DENSE}
     entries["dp-cp"] = groups["dp-cp"]
-    if instances > 1:
-        entries["intra_dp_cp"] = _chunks(groups["dp-cp"], dp * cp // instances, "intra_dp_cp")
+    # megatron 0.16.1 sets it with one instance too (the whole dp-cp group)
+    entries["intra_dp_cp"] = _chunks(groups["dp-cp"], dp * cp // instances, "intra_dp_cp")
     if config.get("hybrid_context_parallel"):
         width = dp * cp
         for size in (2**i for i in range(1, int(math.log2(width)))):
@@ -89,8 +89,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         entries[token] = groups[token]
     for token in _EXPERT:
         entries[f"expert:{token}"] = _token_mesh(expert, token, "expert:")
-    if instances > 1:
-        entries.update(_partial_expert_groups(expert, edp, instances))
+    entries.update(_partial_expert_groups(expert, edp, instances))
     return collect(entries)
 
 
@@ -182,8 +181,11 @@ def _partial_expert_groups(expert: DeviceMesh, edp: int, instances: int) -> dict
     split = expert._unflatten("expert:dp", (instances, edp // instances), ("inter", "intra"))
     names = tuple(split.mesh_dim_names or ())
     rest = tuple(n for n in names if n != "inter")
-    return {
+    entries = {
         "expert:intra_dp": split["intra"],
         "expert:inter_dp": split["inter"],
         "intra_dist_opt_instance": split[rest]._flatten("intra_dist_opt_instance"),
     }
+    if instances == 1:  # megatron builds no inter-instance group with one instance
+        del entries["expert:inter_dp"]
+    return entries

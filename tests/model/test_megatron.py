@@ -260,7 +260,13 @@ def test_partial_distributed_optimizer_groups() -> None:
         [(0, 2, 4, 6), (8, 10, 12, 14), (1, 3, 5, 7), (9, 11, 13, 15)]
     )
     assert exp.groups("intra_dist_opt_instance") == Groups([tuple(range(8)), tuple(range(8, 16))])
-    assert "intra_dp_cp" not in expect(8).kinds()
+    # Released 0.16.1 (unlike the conventions notes) sets the partial getters with one instance
+    # too: they span the whole dp-cp / expert dp group, the instance is the world; no inter group.
+    one = expect(8, tensor_model_parallel_size=2)
+    assert one.groups("intra_dp_cp") == one.groups("dp-cp")
+    assert one.groups("expert:intra_dp") == one.groups("expert:dp")
+    assert one.groups("intra_dist_opt_instance") == Groups([tuple(range(8))])
+    assert "expert:inter_dp" not in one.kinds()
 
 
 def test_hierarchical_cp_docstring_example() -> None:

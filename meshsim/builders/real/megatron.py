@@ -60,7 +60,7 @@ GETTERS: Mapping[str, Getter] = {
     "expert:dp": lambda ps: ps.get_expert_data_parallel_group(),
 }
 
-#: Only built with ``num_distributed_optimizer_instances > 1`` (partial distributed optimizer).
+#: Partial distributed optimizer; with one instance they span dp-cp / expert dp (no inter group).
 PARTIAL_GETTERS: Mapping[str, Getter] = {
     "intra_dp_cp": lambda ps: ps.get_data_parallel_group(
         with_context_parallel=True, partial_data_parallel=True
@@ -96,8 +96,10 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
                 entries.update(_hybrid(ps, config))
             elif name == "cp":
                 entries.update(_hierarchical(ps, config))
-        if (config.get("num_distributed_optimizer_instances") or 1) > 1:
-            entries.update({name: getter(ps) for name, getter in PARTIAL_GETTERS.items()})
+        single = (config.get("num_distributed_optimizer_instances") or 1) == 1
+        for name, getter in PARTIAL_GETTERS.items():
+            if not (single and name == "expert:inter_dp"):  # upstream leaves it unset
+                entries[name] = getter(ps)
         return collect(entries)
 
 

@@ -129,16 +129,16 @@ def expect(world_size: int, **config: Any) -> Expected:
 
     # Kinds in the order initialize_model_parallel creates them.
     kinds = [dense("dp-cp")]
-    if sizes.instances > 1:
-        width = sizes.dp * sizes.cp // sizes.instances
-        kinds.append(
-            _array_kind(
-                "intra_dp_cp",
-                "get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True): "
-                "one distributed-optimizer instance's slice of dp-cp",
-                lambda: dp_cp_groups().reshape(-1, width),
-            )
+    # Megatron 0.16.1 sets the partial groups even with one instance (then the whole dp-cp).
+    width = sizes.dp * sizes.cp // sizes.instances
+    kinds.append(
+        _array_kind(
+            "intra_dp_cp",
+            "get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True): "
+            "one distributed-optimizer instance's slice of dp-cp",
+            lambda: dp_cp_groups().reshape(-1, width),
         )
+    )
     if hybrid:
         kinds += [
             _array_kind(
@@ -165,8 +165,7 @@ def expect(world_size: int, **config: Any) -> Expected:
         layout_kind(expert.layout, f"expert:{token}", description, *expert.dims(token))
         for token, description in _EXPERT_KINDS.items()
     ]
-    if sizes.instances > 1:
-        kinds += _partial_expert_kinds(expert, sizes)
+    kinds += _partial_expert_kinds(expert, sizes)
 
     normal = {
         "tensor_model_parallel_size": sizes.tp,
@@ -242,19 +241,24 @@ def _partial_expert_kinds(expert: RankGenerator, sizes: Sizes) -> list[Kind]:
         # Upstream concatenates edp/k consecutive tp-ep-pp groups; torch's new_group sorts them.
         return np.sort(expert.layout.groups_array(*model_dims).reshape(k, -1), axis=1)
 
-    return [
-        _array_kind(
-            "expert:intra_dp",
-            "intra-instance expert DP group (consecutive chunk)",
-            lambda: levels()[0],
-        ),
-        _array_kind(
-            "expert:inter_dp", "inter-instance expert DP group (strided)", lambda: levels()[1]
-        ),
-        _array_kind(
-            "intra_dist_opt_instance", "every rank of one distributed-optimizer instance", instance
-        ),
-    ]
+    intra = _array_kind(
+        "expert:intra_dp",
+        "get_expert_data_parallel_group(partial_expert_data_parallel=True): one instance's chunk",
+        lambda: levels()[0],
+    )
+    whole = _array_kind(
+        "intra_dist_opt_instance",
+        "get_intra_distributed_optimizer_instance_group(): every rank of one optimizer instance",
+        instance,
+    )
+    if k == 1:  # upstream: intra = the whole expert DP group, and no inter-instance group
+        return [intra, whole]
+    inter = _array_kind(
+        "expert:inter_dp",
+        "get_inter_distributed_optimizer_instance_group(): strided expert DP across instances",
+        lambda: levels()[1],
+    )
+    return [intra, inter, whole]
 
 
 @dataclass(frozen=True)
