@@ -84,8 +84,11 @@ def isolated_world(timeout: float, *, what: str) -> Iterator[None]:
         _in_process_lock.release()
 
 
-def reset_rank_state() -> None:
+def reset_rank_state(*, keep_default: bool = False) -> None:
     """Forget everything the previous rank built in this thread: groups, meshes, RNG tracker.
+
+    ``keep_default``: the caller already destroyed every other group and keeps the world
+    process group (a gloo worker's kept world).
 
     DeviceMesh keeps its flatten mapping and group registry on the root mesh object (garbage
     once the rank's body returned) and its ``_mesh_resources.mesh_stack`` in a thread-local,
@@ -93,7 +96,7 @@ def reset_rank_state() -> None:
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_default:
         dist.destroy_process_group()
     mesh_mod = sys.modules.get("torch.distributed.device_mesh")
     resources = getattr(mesh_mod, "_mesh_resources", None)
@@ -104,16 +107,23 @@ def reset_rank_state() -> None:
         random_mod._rng_tracker = None  # type: ignore[attr-defined]
 
 
-def leftovers() -> list[str]:
-    """Distributed state still alive in this thread/process; empty when clean."""
+def leftovers(kept: Any = None) -> list[str]:
+    """Distributed state still alive in this thread/process; empty when clean.
+
+    ``kept``: the world process group the caller deliberately keeps (it must be the default
+    group and the only one registered).
+    """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     found: list[str] = []
-    if dist.is_initialized():
+    if kept is None and dist.is_initialized():
         found.append("a default process group is still initialised")
-    if c10d._world.pg_map:
-        found.append(f"{len(c10d._world.pg_map)} process group(s) still registered")
+    if kept is not None and not (dist.is_initialized() and c10d._get_default_group() is kept):
+        found.append("the kept world process group is no longer the default group")
+    others = [pg for pg in c10d._world.pg_map if pg is not kept]
+    if others:
+        found.append(f"{len(others)} process group(s) still registered")
     mesh_mod = sys.modules.get("torch.distributed.device_mesh")
     resources = getattr(mesh_mod, "_mesh_resources", None)
     if resources is not None and getattr(resources, "mesh_stack", None):
