@@ -36,6 +36,10 @@ from meshsim.harness.pool import Worker, get_pool
 FAILURE_GRACE_S = 2.0
 #: How long to wait for a stack dump after SIGUSR1.
 STACK_WAIT_S = 1.0
+#: Keep each warm worker's world process group for the next job of the same world when every
+#: rank agrees it is clean (see ``meshsim.harness.worker``); ``MESHSIM_KEEP_WORLD=0`` rebuilds
+#: it for every job, as before.
+KEEP_WORLD = os.environ.get("MESHSIM_KEEP_WORLD", "1") != "0"
 
 
 class _Rank:
@@ -111,7 +115,7 @@ class ProcessBackend:
                     "cwd": os.getcwd(),
                     "world_id": world[0],
                     "world_dir": world[1],
-                    "keep_world": self.name == "gloo",
+                    "keep_world": self.name == "gloo" and KEEP_WORLD,
                 },
             )
         deadline = time.monotonic() + job.timeout
