@@ -92,6 +92,17 @@ def meshsim_test(world_size: int, backend: str) -> None:
         check(world_size, rank, got, real=backend != "fake")
 
 
+def meshsim_gloo_rebuilt(world_size: int) -> None:
+    """The gloo tier as before issue 11: the warm workers rebuild the world group every test."""
+    from meshsim.harness import gloo
+
+    gloo.KEEP_WORLD = False
+    try:
+        meshsim_test(world_size, "gloo")
+    finally:
+        gloo.KEEP_WORLD = True
+
+
 # ---------------------------------------------------------------------------- baselines
 
 

@@ -37,7 +37,7 @@ class FakeBackend:
         outcomes: list[RankOutcome] = []
         recorder.install()
         try:
-            with isolated_world(job.timeout, what="backend='fake'"):
+            with isolated_world(job.timeout, what="backend='fake'", per_thread=False):
                 try:
                     for rank in job.ranks:
                         reset_rank_state()

@@ -36,6 +36,10 @@ from meshsim.harness.pool import Worker, get_pool
 FAILURE_GRACE_S = 2.0
 #: How long to wait for a stack dump after SIGUSR1.
 STACK_WAIT_S = 1.0
+#: Keep each warm worker's world process group for the next job of the same world when every
+#: rank agrees it is clean (see ``meshsim.harness.worker``); ``MESHSIM_KEEP_WORLD=0`` rebuilds
+#: it for every job, as before.
+KEEP_WORLD = os.environ.get("MESHSIM_KEEP_WORLD", "1") != "0"
 
 
 class _Rank:
@@ -46,6 +50,7 @@ class _Rank:
         self.done = False
         self.problems: list[str] = []
         self.death: str | None = None  # how the process ended, if it did
+        self.kept = False  # the worker kept its world process group for the next job
 
     @property
     def finished(self) -> bool:
@@ -66,23 +71,31 @@ class ProcessBackend:
                 f"{job.timeout:g} s; process-tier runs in one process take turns"
             )
         try:
-            workers = pool.acquire(job.world_size)
+            key = _world_key(job, self.name)
+            workers = pool.acquire(job.world_size, key)
             ranks = [_Rank(r, w) for r, w in enumerate(workers)]
             job_dir = None
             try:
+                first = workers[0].world
+                if first is not None and all(w.world == first for w in workers):
+                    world = (first[0], os.path.join(pool.dir, f"world-{first[0]}"))
+                else:
+                    world = pool.new_world(workers, key)
                 job_dir = rendezvous.make_dir("job")
-                return self._supervise(job, ranks, job_dir, payload)
+                return self._supervise(job, ranks, job_dir, payload, world)
             finally:
                 clean = [r.worker for r in ranks if r.done and not r.problems]
                 broken = [r.worker for r in ranks if not (r.done and not r.problems)]
-                pool.release(clean, broken)
+                pool.release(clean, broken, kept=all(r.kept for r in ranks))
                 rendezvous.remove_dir(job_dir)
         finally:
             pool.job_lock.release()
 
     # ------------------------------------------------------------------ supervision
 
-    def _supervise(self, job: Job, ranks: list[_Rank], job_dir: str, payload: bytes) -> Any:
+    def _supervise(
+        self, job: Job, ranks: list[_Rank], job_dir: str, payload: bytes, world: tuple[int, str]
+    ) -> Any:
         from multiprocess.connection import wait
 
         env = dict(os.environ)
@@ -100,6 +113,9 @@ class ProcessBackend:
                     "env": env,
                     "sys_path": list(sys.path),
                     "cwd": os.getcwd(),
+                    "world_id": world[0],
+                    "world_dir": world[1],
+                    "keep_world": self.name == "gloo" and KEEP_WORLD,
                 },
             )
         deadline = time.monotonic() + job.timeout
@@ -165,6 +181,7 @@ class ProcessBackend:
         if msg[0] == "done":
             r.done = True
             r.problems = list(msg[1])
+            r.kept = len(msg) > 2 and bool(msg[2])
         return False
 
     def _stop(self, live: list[_Rank], job_dir: str) -> dict[int, tuple]:
@@ -233,6 +250,17 @@ class ProcessBackend:
 
 class GlooBackend(ProcessBackend):
     name = "gloo"
+
+
+#: Environment variables that may change how a process group is set up: a kept world is
+#: reused only while these are unchanged.
+_PG_ENV_PREFIXES = ("GLOO", "TORCH", "MASTER_", "TP_", "NCCL", "CUDA", "MESHSIM")
+
+
+def _world_key(job: Job, backend: str) -> tuple:
+    """What a kept world process group must match to be reused by ``job``."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_PG_ENV_PREFIXES)))
+    return (backend, job.world_size, job.timeout, env)
 
 
 def _size(path: str) -> int:

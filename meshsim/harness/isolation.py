@@ -40,9 +40,54 @@ def threaded_pg_module():  # type: ignore[no-untyped-def]
     return mtpg
 
 
+def _private_world_class(c10d: Any) -> type:
+    """A ``c10d._World`` whose state lives on the instance, not in c10d's module globals.
+
+    For ranks run one after another on one thread (the fake tier): every lookup is a plain
+    attribute read, where torch's ``ThreadLocalWorld`` does a thread-local lookup per
+    attribute (a fifth of the fake tier's time at world 1,024 went there).
+    """
+    fields = (
+        "default_pg",
+        "pg_map",
+        "pg_names",
+        "pg_group_ranks",
+        "pg_backend_config",
+        "group_count",
+        "tags_to_pg",
+        "pg_to_tag",
+        "pg_coalesce_state",
+        "comms",
+    )
+
+    def __init__(self: Any) -> None:
+        self.__dict__.update(
+            default_pg=None,
+            pg_map={},
+            pg_names={},
+            pg_group_ranks={},
+            pg_backend_config={},
+            group_count=0,
+            tags_to_pg={},
+            pg_to_tag={},
+            pg_coalesce_state={},
+            comms=[],
+        )
+
+    # Plain class attributes shadow _World's properties, so the instance dict is used.
+    namespace: dict[str, Any] = dict.fromkeys(fields)
+    namespace["__init__"] = __init__
+    namespace["pg_config_info"] = c10d._World.pg_config_info
+    return type("_PrivateWorld", (c10d._World,), namespace)
+
+
 @contextmanager
-def isolated_world(timeout: float, *, what: str) -> Iterator[None]:
-    """Give the in-process ranks a private torch.distributed world; restore it afterwards."""
+def isolated_world(timeout: float, *, what: str, per_thread: bool = True) -> Iterator[None]:
+    """Give the in-process ranks a private torch.distributed world; restore it afterwards.
+
+    ``per_thread``: each thread gets its own world (the threaded tier's concurrent ranks);
+    otherwise one private world for ranks that run in turn (the fake tier), which is cheaper.
+    """
     import torch
     import torch.distributed.distributed_c10d as c10d
 
@@ -58,10 +103,13 @@ def isolated_world(timeout: float, *, what: str) -> Iterator[None]:
             f"another fake/threaded meshsim.run kept the in-process world busy for {timeout} s; "
             "in-process runs take turns (the swap of torch's world is process-global)"
         )
-    mtpg = threaded_pg_module()
+    if per_thread:
+        mtpg = threaded_pg_module()
 
-    class _IsolatedWorld(mtpg.ThreadLocalWorld):  # type: ignore[misc,name-defined]
-        pg_config_info = c10d._World.pg_config_info
+        class _IsolatedWorld(mtpg.ThreadLocalWorld):  # type: ignore[misc,name-defined]
+            pg_config_info = c10d._World.pg_config_info
+    else:
+        _IsolatedWorld = _private_world_class(c10d)
 
     saved_world = c10d._world
     saved_autograd_mt = torch._C._is_multithreading_enabled()
@@ -84,8 +132,11 @@ def isolated_world(timeout: float, *, what: str) -> Iterator[None]:
         _in_process_lock.release()
 
 
-def reset_rank_state() -> None:
+def reset_rank_state(*, keep_default: bool = False) -> None:
     """Forget everything the previous rank built in this thread: groups, meshes, RNG tracker.
+
+    ``keep_default``: the caller already destroyed every other group and keeps the world
+    process group (a gloo worker's kept world).
 
     DeviceMesh keeps its flatten mapping and group registry on the root mesh object (garbage
     once the rank's body returned) and its ``_mesh_resources.mesh_stack`` in a thread-local,
@@ -93,7 +144,7 @@ def reset_rank_state() -> None:
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_default:
         dist.destroy_process_group()
     mesh_mod = sys.modules.get("torch.distributed.device_mesh")
     resources = getattr(mesh_mod, "_mesh_resources", None)
@@ -104,16 +155,23 @@ def reset_rank_state() -> None:
         random_mod._rng_tracker = None  # type: ignore[attr-defined]
 
 
-def leftovers() -> list[str]:
-    """Distributed state still alive in this thread/process; empty when clean."""
+def leftovers(kept: Any = None) -> list[str]:
+    """Distributed state still alive in this thread/process; empty when clean.
+
+    ``kept``: the world process group the caller deliberately keeps (it must be the default
+    group and the only one registered).
+    """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     found: list[str] = []
-    if dist.is_initialized():
+    if kept is None and dist.is_initialized():
         found.append("a default process group is still initialised")
-    if c10d._world.pg_map:
-        found.append(f"{len(c10d._world.pg_map)} process group(s) still registered")
+    if kept is not None and not (dist.is_initialized() and c10d._get_default_group() is kept):
+        found.append("the kept world process group is no longer the default group")
+    others = [pg for pg in c10d._world.pg_map if pg is not kept]
+    if others:
+        found.append(f"{len(others)} process group(s) still registered")
     mesh_mod = sys.modules.get("torch.distributed.device_mesh")
     resources = getattr(mesh_mod, "_mesh_resources", None)
     if resources is not None and getattr(resources, "mesh_stack", None):

@@ -65,6 +65,8 @@ class Worker:
         self.pid = self.proc.pid
         self.ready = False
         self.log_offset = 0
+        #: The kept world process group this worker holds: (world id, key), or None.
+        self.world: tuple[int, tuple] | None = None
 
     def send(self, *msg: Any) -> None:
         self.conn.send_bytes(pickle.dumps(msg))
@@ -126,6 +128,9 @@ class Pool:
         self.idle: list[Worker] = []
         self.booting: list[Worker] = []
         self.count = 0
+        #: Kept worlds: id -> its workers in rank order (see ``take``).
+        self.worlds: dict[int, list[Worker]] = {}
+        self.world_count = 0
         self.job_lock = threading.Lock()
         self.lock = threading.Lock()
 
@@ -146,12 +151,18 @@ class Pool:
             "interpreter; check that torch, dill and multiprocess import there."
         )
 
-    def acquire(self, n: int) -> list[Worker]:
-        """``n`` ready workers, starting and waiting for new ones as needed."""
+    def acquire(self, n: int, key: tuple | None = None) -> list[Worker]:
+        """``n`` ready workers in rank order, starting and waiting for new ones as needed.
+
+        With ``key``, workers still holding a kept world of that key (same size, backend,
+        timeout, relevant env) come back together, so their process group can be reused.
+        """
         from multiprocess.connection import wait
 
         with self.lock:
-            self.idle = [w for w in self.idle if w.alive()]
+            for dead in [w for w in self.idle if not w.alive()]:
+                self._forget_world(dead)
+                self.idle.remove(dead)
             for _ in range(n - len(self.idle) - len(self.booting)):
                 self.spawn()
             deadline = time.monotonic() + BOOT_TIMEOUT_S
@@ -170,18 +181,65 @@ class Pool:
                         raise self._boot_failure(worker)
                     worker.ready = True
                     self.idle.append(worker)
-            taken, self.idle = self.idle[:n], self.idle[n:]
-            return taken
+            return self._take(n, key)
 
-    def release(self, clean: list[Worker], broken: list[Worker]) -> None:
-        """Return clean workers; kill broken ones and start their replacements now."""
+    def _take(self, n: int, key: tuple | None) -> list[Worker]:
+        """``n`` idle workers in rank order: a kept world of the same ``key`` if one is whole."""
+        if key is not None:
+            for wid, members in self.worlds.items():
+                if len(members) == n and all(
+                    w in self.idle and w.world == (wid, key) for w in members
+                ):
+                    for w in members:
+                        self.idle.remove(w)
+                    return list(members)
+        # Prefer workers outside any kept world, so other worlds stay whole.
+        self.idle.sort(key=lambda w: w.world is not None)
+        taken, self.idle = self.idle[:n], self.idle[n:]
+        for w in taken:
+            self._forget_world(w)
+        return taken
+
+    def _forget_world(self, worker: Worker) -> None:
+        """``worker`` leaves its kept world, which is then no longer whole for anyone."""
+        if worker.world is None:
+            return
+        for member in self.worlds.pop(worker.world[0], []):
+            member.world = None
+        worker.world = None
+
+    def new_world(self, workers: list[Worker], key: tuple) -> tuple[int, str]:
+        """A fresh world id and the directory of its ``FileStore`` (kept until pool close)."""
+        with self.lock:
+            self.world_count += 1
+            wid = self.world_count
+            path = os.path.join(self.dir, f"world-{wid}")
+            os.mkdir(path, 0o700)
+            self.worlds[wid] = list(workers)
+            for w in workers:
+                w.world = (wid, key)
+            return wid, path
+
+    def release(self, clean: list[Worker], broken: list[Worker], *, kept: bool = False) -> None:
+        """Return clean workers; kill broken ones and start their replacements now.
+
+        ``kept``: every rank kept the job's world process group, so it stays whole for reuse;
+        otherwise its members forget it (and drop it in their next job).
+        """
         with self.lock:
             for worker in broken:
+                self._forget_world(worker)
                 worker.kill()
+            if not kept or broken:
+                for worker in clean:
+                    self._forget_world(worker)
             self.idle.extend(clean)
             keep = max(POOL_SIZE, len(clean) + len(broken))
+            self.idle.sort(key=lambda w: w.world is not None)
             while len(self.idle) > keep:
-                self.idle.pop().kill()
+                surplus = self.idle.pop(0)
+                self._forget_world(surplus)
+                surplus.kill()
             for _ in range(min(len(broken), keep - len(self.idle) - len(self.booting))):
                 self.spawn()
 

@@ -9,6 +9,17 @@ and may take the next job; otherwise it exits and the parent replaces it. Parent
 Teardown is robust by construction: every rank signals "finished" through the job's file
 store and waits for the others before destroying its process group, so no rank tears down
 its gloo connections while a peer is still inside a collective with it.
+
+Kept worlds: setting up gloo's full mesh of TCP pairs is most of a small job's cost, so a gloo
+worker keeps its world process group for the next job of the same world (same workers in the
+same rank order, same timeout and environment; the parent decides, see ``Pool.acquire``).
+It does so only when every rank agrees through the store that the job left the world as a
+fresh one would be: every body returned, nobody replaced torch functions or destroyed the
+world, no point-to-point call was made (an unmatched send could be received by the next job)
+and every rank's world sequence number is equal (no rank ran an extra collective). Every
+other group is destroyed and the group counter reset, and each job's ``new_group`` calls get
+their own key prefix in the world's store, so group names and store traffic are those of a
+fresh world. In every other case the world is destroyed, as before.
 """
 
 from __future__ import annotations
@@ -69,6 +80,57 @@ def _torch_bindings() -> dict[tuple[str, str], int]:
     return found
 
 
+class _JobSink(recorder.FileSink):
+    """The job's ``FileSink`` that also counts point-to-point calls (they forbid keeping)."""
+
+    def __init__(self, fd: int, world_size: int) -> None:
+        super().__init__(fd, world_size)
+        self.p2p = 0
+
+    def enter(self, call: recorder.Call) -> None:
+        if call.kind == "p2p":
+            self.p2p += 1
+        super().enter(call)
+
+
+class _KeptWorld:
+    """A world process group kept between jobs, with the store it was set up with."""
+
+    def __init__(self, world_id: int, store: Any) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        self.id = world_id
+        self.store = store
+        self.pg = c10d._get_default_group()
+        self.entry = c10d._world.pg_map[self.pg]
+
+    def begin_job(self, job_store: Any) -> None:
+        """Route this job's ``new_group`` store traffic to the job's own key prefix."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        backend, default_store = self.entry
+        c10d._world.pg_map[self.pg] = (backend, dist.PrefixStore("groups/", job_store))
+        del default_store
+
+    def end_job(self) -> None:
+        """Destroy every group but the world and reset the group counter, as a fresh world."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        for pg in list(c10d._world.pg_map):
+            if pg is not self.pg:
+                dist.destroy_process_group(pg)
+        c10d._world.pg_map[self.pg] = self.entry
+        c10d._world.group_count = 1
+
+    def current(self) -> bool:
+        """The world is still this process's default group (the body did not replace it)."""
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d.is_initialized() and c10d._get_default_group() is self.pg
+
+
 class Worker:
     def __init__(self, fd: int) -> None:
         from multiprocess.connection import Connection
@@ -77,6 +139,8 @@ class Worker:
         self.devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the worker
         self.baseline_threads: set[int | None] = set()
         self.baseline_torch: dict[tuple[str, str], int] = {}
+        self.world: _KeptWorld | None = None
+        self.job_base: Any = None
 
     def send(self, *msg: Any) -> None:
         self.conn.send_bytes(pickle.dumps(msg))
@@ -127,15 +191,16 @@ class Worker:
         stack_file = open(os.path.join(job_dir, f"stack-{rank}"), "w")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         coll_fd = os.open(os.path.join(job_dir, f"coll-{rank}"), os.O_RDWR | os.O_CREAT, 0o600)
-        sink = recorder.FileSink(coll_fd, world)
+        sink = _JobSink(coll_fd, world)
         recorder.set_sink(sink, process_wide=True)
         deadline = time.monotonic() + spec["timeout"]
         store = None
+        kept = False
         try:
-            store = rendezvous.file_store(job_dir, world)
+            store = self.job_store(spec)
             outcome = self.run_body(spec, store, sink)
             self.send("result", outcome)
-            problems = self.teardown(store, rank, world, deadline)
+            problems, kept = self.teardown(store, spec, outcome, sink, deadline)
         finally:
             recorder.set_sink(None, process_wide=True)
             faulthandler.register(signal.SIGUSR1, file=self.devnull, all_threads=True)
@@ -152,8 +217,32 @@ class Worker:
         sys.path[:] = saved_path
         os.chdir(saved_cwd)
         problems += self.leftovers()
-        self.send("done", problems)
+        if problems and self.world is not None:
+            self.drop_world()
+            kept = False
+        self.send("done", problems, kept)
         return not problems
+
+    def job_store(self, spec: dict[str, Any]) -> Any:
+        """This job's store: a fresh key prefix in the (possibly kept) world's ``FileStore``."""
+        import torch.distributed as dist
+
+        if self.world is not None and self.world.id != spec["world_id"]:
+            self.drop_world()
+        if self.world is None:
+            base = rendezvous.file_store(spec["world_dir"], spec["world_size"])
+        else:
+            base = self.world.store
+        self.job_base = base
+        return dist.PrefixStore(os.path.basename(spec["dir"]) + "/", base)
+
+    def drop_world(self) -> None:
+        """Destroy the kept world (its peers drop theirs when they next get a job)."""
+        import torch.distributed as dist
+
+        world, self.world = self.world, None
+        if world is not None and world.current():
+            dist.destroy_process_group()
 
     def run_body(self, spec: dict[str, Any], store: Any, sink: recorder.FileSink) -> dict:
         import torch
@@ -177,14 +266,17 @@ class Worker:
                 torch.cuda.set_device(rank)
                 device = f"cuda:{rank}"
                 extra["device_id"] = torch.device(device)
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=spec["timeout"] + 30),
-                **extra,
-            )
+            if self.world is None:
+                dist.init_process_group(
+                    backend,
+                    store=self.job_base,
+                    rank=rank,
+                    world_size=world,
+                    timeout=timedelta(seconds=spec["timeout"] + 30),
+                    **extra,
+                )
+                self.world = _KeptWorld(spec["world_id"], self.job_base)
+            self.world.begin_job(store)
             ctx = RankContext(rank=rank, world_size=world, backend=backend, device=device)
             with rank_context(ctx, process_wide=True):
                 value = fn(*args, **kwargs)
@@ -205,27 +297,54 @@ class Worker:
             return {"status": "error", **fields}
         return {"status": "ok", "value": data}
 
-    def teardown(self, store: Any, rank: int, world: int, deadline: float) -> list[str]:
-        """Wait (through the store) until every rank finished, then destroy the groups."""
+    def teardown(
+        self, store: Any, spec: dict[str, Any], outcome: dict, sink: _JobSink, deadline: float
+    ) -> tuple[list[str], bool]:
+        """Wait (through the store) until every rank finished, then keep or destroy the world.
+
+        Returns the problems found and whether the world process group was kept.
+        """
         import torch.distributed as dist
 
+        rank, world = spec["rank"], spec["world_size"]
         problems: list[str] = []
+        candidate = (
+            spec.get("keep_world", False)
+            and outcome["status"] == "ok"
+            and sink.p2p == 0
+            and self.world is not None
+            and self.world.current()
+            and _torch_bindings() == self.baseline_torch
+        )
+        mark = "0"
+        if candidate:
+            mark = f"1:{self.world.pg._get_sequence_number_for_group()}"  # type: ignore[union-attr]
+        keys = [f"meshsim/finished/{r}" for r in range(world)]
+        marks: list[str] = []
         try:
-            store.set(f"meshsim/finished/{rank}", "1")
+            store.set(keys[rank], mark)
             left = max(1.0, deadline - time.monotonic())
-            store.wait([f"meshsim/finished/{r}" for r in range(world)], timedelta(seconds=left))
+            store.wait(keys, timedelta(seconds=left))
+            marks = [store.get(k).decode() for k in keys]
         except Exception as exc:
             problems.append(f"teardown: the other ranks did not finish ({exc})")
+        keep = bool(marks) and marks[0].startswith("1:") and len(set(marks)) == 1
         try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            if keep:
+                self.world.end_job()  # type: ignore[union-attr]
+            else:
+                self.world = None
+                if dist.is_initialized():
+                    dist.destroy_process_group()
         except Exception as exc:
             problems.append(f"teardown: destroy_process_group failed ({exc})")
-        isolation.reset_rank_state()
-        return problems
+            keep = False
+        isolation.reset_rank_state(keep_default=keep)
+        return problems, keep
 
     def leftovers(self) -> list[str]:
-        problems = isolation.leftovers()
+        kept = self.world.pg if self.world is not None else None
+        problems = isolation.leftovers(kept=kept)
         extra = [t for t in threading.enumerate() if t.ident not in self.baseline_threads]
         for t in extra:
             t.join(0.2)

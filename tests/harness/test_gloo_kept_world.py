@@ -1,0 +1,129 @@
+"""The gloo tier keeps a warm worker's world process group between jobs, and only when safe.
+
+Each test proves one side of the rule: a kept world is reused (its sequence number carries on
+from the previous job instead of starting at 0), and anything a job could leave behind in it
+(groups, the group counter, an unmatched send, a destroyed world, a failure) either is reset
+or makes every rank drop the world, so the next job sees what a fresh world shows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meshsim.errors import RankFailure
+from meshsim.harness import run
+
+
+def world_age() -> tuple[int, int]:
+    """(pid, collectives the world group ran before this job); then one more collective."""
+    import torch
+    import torch.distributed as dist
+
+    seq = dist.group.WORLD._get_sequence_number_for_group()
+    dist.all_reduce(torch.ones(1))
+    return os.getpid(), seq
+
+
+def groups_seen() -> tuple:
+    """What a fresh world shows: only the world registered, the next group is named "1"."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    age = world_age()
+    registered = len(c10d._world.pg_map)
+    sub = dist.new_group(list(range(dist.get_world_size())))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=sub)
+    return registered, c10d._get_process_group_name(sub), float(t[0]), age
+
+
+def test_world_is_kept_between_jobs_of_the_same_world() -> None:
+    first = run(groups_seen, 2, "gloo", timeout=60)
+    second = run(groups_seen, 2, "gloo", timeout=60)
+    assert [v[:3] for v in first + second] == [(1, "1", 2.0)] * 4  # no group leaked
+    assert [v[3][0] for v in second] == [v[3][0] for v in first]  # same processes
+    assert all(v[3][1] > 0 for v in second)  # the world group carried on: it was kept
+
+
+def unmatched_send() -> tuple[int, int]:
+    import torch
+    import torch.distributed as dist
+
+    age = world_age()
+    if dist.get_rank() == 0:
+        dist.isend(torch.full((1,), 99.0), 1)  # never received
+    return age
+
+
+def recv_from_zero() -> tuple[float, tuple[int, int]]:
+    import torch
+    import torch.distributed as dist
+
+    age = world_age()
+    t = torch.zeros(1)
+    if dist.get_rank() == 0:
+        dist.send(torch.full((1,), 7.0), 1)
+    else:
+        dist.recv(t, 0)
+    return float(t[0]), age
+
+
+def test_point_to_point_traffic_drops_the_world() -> None:
+    run(world_age, 2, "gloo", timeout=60)
+    before = run(unmatched_send, 2, "gloo", timeout=60)
+    after = run(recv_from_zero, 2, "gloo", timeout=60)
+    assert after[1][0] == 7.0  # not the 99.0 the previous job left unreceived
+    assert [a[1][0] for a in after] == [b[0] for b in before]  # the same warm workers
+    assert [a[1][1] for a in after] == [0, 0]  # but a fresh world group
+
+
+def destroy_and_reinit() -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    store = dist.FileStore(os.path.join(os.environ["MESHSIM_TEST_DIR"], "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t[0])
+
+
+def test_user_code_may_destroy_and_reinit_the_world(
+    tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MESHSIM_TEST_DIR", str(tmp_path))
+    run(world_age, 2, "gloo", timeout=60)
+    assert run(destroy_and_reinit, 2, "gloo", timeout=60) == [2, 2]
+    after = run(groups_seen, 2, "gloo", timeout=60)
+    assert [v[:3] for v in after] == [(1, "1", 2.0)] * 2
+    assert [v[3][1] for v in after] == [0, 0]  # the user's world was not kept
+
+
+def fail_on_one() -> int:
+    import torch.distributed as dist
+
+    world_age()
+    if dist.get_rank() == 1:
+        raise ValueError("boom")
+    return 0
+
+
+def test_a_failed_job_drops_the_world() -> None:
+    before = run(world_age, 2, "gloo", timeout=60)
+    with pytest.raises(RankFailure):
+        run(fail_on_one, 2, "gloo", timeout=60)
+    after = run(world_age, 2, "gloo", timeout=60)
+    assert [p for p, _ in after] == [p for p, _ in before]  # the workers stayed warm
+    assert [s for _, s in after] == [0, 0]  # but the world group is new
+
+
+def test_another_world_size_in_between() -> None:
+    run(groups_seen, 2, "gloo", timeout=60)
+    three = run(groups_seen, 3, "gloo", timeout=60)
+    again = run(groups_seen, 2, "gloo", timeout=60)
+    assert [v[:3] for v in three] == [(1, "1", 3.0)] * 3
+    assert [v[:3] for v in again] == [(1, "1", 2.0)] * 2
