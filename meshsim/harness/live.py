@@ -54,7 +54,8 @@ class LiveTable:
             what = f"the world-synchronised group creations at index {index}"
         else:
             kind, group = "collective", slot[0]
-            what = f"their calls on {format_group(group, ws)} at index {index} of that group's sequence"
+            where = format_group(group, ws)
+            what = f"their calls on {where} at index {index} of that group's sequence"
         side_a = f"rank {a[0]} called {a[1].describe(ws)}"
         side_b = f"rank {b[0]} called {b[1].describe(ws)}"
         message = (

@@ -32,7 +32,7 @@ from meshsim.harness import recorder
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world, threaded_pg_module
-from meshsim.harness.live import LiveTable, LiveSink, replay
+from meshsim.harness.live import LiveSink, LiveTable, replay
 from meshsim.harness.outcome import (
     RankOutcome,
     RunResult,
