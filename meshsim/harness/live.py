@@ -56,8 +56,8 @@ class LiveTable:
             kind, group = "collective", slot[0]
             where = format_group(group, ws)
             what = f"their calls on {where} at index {index} of that group's sequence"
-        side_a = f"rank {a[0]} called {a[1].describe(ws)}"
-        side_b = f"rank {b[0]} called {b[1].describe(ws)}"
+        side_a = f"rank {a[0]} called {a[1].signature(ws)}"
+        side_b = f"rank {b[0]} called {b[1].signature(ws)}"
         message = (
             f"collective divergence (caught live on the threaded tier, before the call ran): "
             f"ranks {a[0]} and {b[0]} disagree on {what}; on a real backend these ranks "

@@ -116,7 +116,11 @@ class Call:
             return text + (f" ({self.detail})" if self.detail else "")
         if self.kind == "p2p":
             return f"{self.op} {self.detail or ''} on {where}".replace("  ", " ")
-        return f"{self.op} on {where}" + (f" with {self.meta}" if self.meta else "")
+        return f"{self.op} on {where}"
+
+    def signature(self, world_size: int | None = None) -> str:
+        """``describe`` plus the shape/dtype compared between ranks (divergence messages)."""
+        return self.describe(world_size) + (f" with {self.meta}" if self.meta else "")
 
 
 class Sink(Protocol):
