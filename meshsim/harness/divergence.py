@@ -132,7 +132,7 @@ class Comparison:
     def _side(self, rank: int, step: Step | None, verb: str, other_step: int | None) -> str:
         ws = self.world_size
         if step is not None:
-            return f"rank {rank} {verb} {step[1].signature(ws)} at step {step[0]}"
+            return f"rank {rank} {verb} {step[1].describe(ws)} at step {step[0]}"
         if other_step is not None:
             later = [s for s in self.calls.get(rank, []) if s[0] >= other_step]
             if later:
