@@ -44,7 +44,7 @@ class Divergence:
 
 
 def _key(call: Call) -> tuple:
-    return (call.kind, call.op, call.group, call.local)
+    return (call.kind, call.op, call.group, call.local, call.meta)
 
 
 class RankSink(TrackingSink):

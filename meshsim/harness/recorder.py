@@ -73,6 +73,20 @@ FUNCOL = (
     "broadcast",
     "permute_tensor",
 )
+# Collectives whose tensor argument must have the same shape and dtype on every rank: the
+# argument named here is compared (outputs of all_gather / inputs of reduce_scatter may differ
+# only where torch allows it, so the per-rank side is used).
+SHAPED = {
+    "broadcast": "tensor",
+    "all_reduce": "tensor",
+    "reduce": "tensor",
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "_all_gather_base": "input_tensor",
+    "reduce_scatter": "output",
+    "reduce_scatter_tensor": "output",
+    "_reduce_scatter_base": "output",
+}
 # Group creation: ``new_group``, ``new_subgroups*`` and DeviceMesh all reach
 # ``_new_group_with_tag``; ``split_group`` is separate (and bound by name in device_mesh).
 CREATIONS = {"_new_group_with_tag": "new_group", "split_group": "split_group"}
@@ -83,7 +97,9 @@ class Call:
     """One recorded call. ``group`` is the group's global ranks, ``None`` for the world.
 
     ``kind``: ``collective``, ``p2p`` or ``create``. ``local`` marks a creation that only
-    synchronises the new group's members (``use_local_synchronization=True``).
+    synchronises the new group's members (``use_local_synchronization=True``). ``meta`` is the
+    tensor shape and dtype for collectives whose inputs torch requires to match on every rank
+    (``None`` where sizes may legitimately differ: uneven all_to_all, ``*_object``).
     """
 
     kind: str
@@ -91,6 +107,7 @@ class Call:
     group: tuple[int, ...] | None
     detail: str | None = None
     local: bool = False
+    meta: str | None = None
 
     def describe(self, world_size: int | None = None) -> str:
         where = format_group(self.group, world_size)
@@ -100,6 +117,10 @@ class Call:
         if self.kind == "p2p":
             return f"{self.op} {self.detail or ''} on {where}".replace("  ", " ")
         return f"{self.op} on {where}"
+
+    def signature(self, world_size: int | None = None) -> str:
+        """``describe`` plus the shape/dtype compared between ranks (divergence messages)."""
+        return self.describe(world_size) + (f" with {self.meta}" if self.meta else "")
 
 
 class Sink(Protocol):
@@ -179,9 +200,17 @@ def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: d
             elif peer is not None:
                 detail = "to" if op in ("send", "isend", "send_object_list") else "from"
                 detail += f" rank {peer}"
-        return Call(kind, op, group, detail)
+        meta = _tensor_meta(bound.get(SHAPED[op])) if op in SHAPED else None
+        return Call(kind, op, group, detail, meta=meta)
     except Exception as exc:  # describing must never break the call itself
         return Call(kind, op, None, f"group unknown: {type(exc).__name__}")
+
+
+def _tensor_meta(tensor: Any) -> str | None:
+    shape = getattr(tensor, "shape", None)
+    if shape is None:
+        return None
+    return f"shape {tuple(shape)} {str(getattr(tensor, 'dtype', '')).replace('torch.', '')}"
 
 
 def _describe_creation(op: str, bound: dict) -> Call:

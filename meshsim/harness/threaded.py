@@ -32,6 +32,7 @@ from meshsim.harness import recorder
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world, threaded_pg_module
+from meshsim.harness.live import LiveSink, LiveTable, replay
 from meshsim.harness.outcome import (
     RankOutcome,
     RunResult,
@@ -56,7 +57,7 @@ class _Rank:
     def __init__(self, run: _Run, rank: int) -> None:
         self.run = run
         self.rank = rank
-        self.sink = recorder.TrackingSink()
+        self.sink = LiveSink(rank, run.table)
         self.outcome: RankOutcome | None = None
         self.lock = threading.Lock()
         self.thread = threading.Thread(
@@ -117,6 +118,7 @@ class _Run:
         self.plg = plg
         self.store = store
         self.abandoned = False
+        self.table = LiveTable(job.world_size)
         self.cond = threading.Condition()
         self.ranks = [_Rank(self, r) for r in range(job.world_size)]
 
@@ -216,9 +218,18 @@ class ThreadedBackend:
             recorder.uninstall()
         outcomes = [r.outcome or RankOutcome(r.rank, status="aborted") for r in run.ranks]
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        live = run.table.divergence
+        if live is not None:  # hook: the live check fired in some rank
+            live.outcomes = tuple(outcomes)
+            raise live
         if timed_out:
             raise timeout_error(outcomes, timeout=job.timeout, survivors=survivors, **info)
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure
+        divergence = replay(  # hook: post-run comparison, as on the fake tier
+            job.world_size, ((r.rank, r.sink.calls) for r in run.ranks)
+        ).divergence(outcomes)
+        if divergence is not None:
+            raise divergence
         return RunResult(outcomes, backend=self.name, world_size=job.world_size)
