@@ -10,6 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from meshsim.cli import config_flags as cf
+from meshsim.cli import dataflow as dataflow_cli
 from meshsim.cli import render
 from meshsim.cli.compare import (
     DIFFERENT,
@@ -204,6 +205,9 @@ def verify(args: argparse.Namespace) -> int:
         raise UsageError("verify needs --world-size (or a torchrun launch that sets WORLD_SIZE)")
     config = _config(args, args.framework, world)
     expected = expect(args.framework, world, **config)  # bad config: exit 2 before any rank runs
+    dataflow = getattr(args, "dataflow", False)
+    if dataflow:
+        dataflow_cli.check_args(args)
     verify_fn = _verify_api()
     try:
         result = verify_fn(
@@ -213,12 +217,19 @@ def verify(args: argparse.Namespace) -> int:
         raise UsageError(_missing_framework(args.framework, exc)) from None
     quiet = launched is not None and launched[0] != 0
     out = render.console(stderr=args.json, quiet=quiet)
+    flow = dataflow_cli.run(args, world, config) if dataflow else None
+    passed = result.passed and (flow is None or flow.passed)
     if args.json:
         if not quiet:
-            render.print_json(result_json(result))
-        return 0 if result.passed else 1
+            report = result_json(result)
+            if flow is not None:
+                report = {**report, "dataflow": dataflow_cli.as_json(flow)}
+            render.print_json(report)
+        return 0 if passed else 1
     print_result(out, result, expected)
-    return 0 if result.passed else 1
+    if flow is not None:
+        dataflow_cli.print_result(out, flow)
+    return 0 if passed else 1
 
 
 def _verify_api() -> Any:

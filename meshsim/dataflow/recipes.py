@@ -149,6 +149,7 @@ def train_on_rank(
     from meshsim.dataflow.grad_check import assert_gradient_sync, loss_scale
     from meshsim.dataflow.records import BatchRecord
 
+    _quiet()
     rank = dist.get_rank()
     m = meshes.build(framework, world_size, config, real)
     data_rank, data_size = m.data_rank, m.data_size
@@ -183,6 +184,15 @@ def train_on_rank(
     except DataflowMismatch as error:
         finding = str(error)
     return record, finding
+
+
+def _quiet() -> None:
+    """Silence the two notices the tiny model triggers on every rank (not problems here)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def _model(stage: int) -> Any:
