@@ -137,15 +137,12 @@ def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> Train
         get = dims.get_optional_mesh
         batch = get("batch")
         names = ["dp_replicate", "fsdp"] if dims.dp_replicate_enabled else ["fsdp"]
-        grad = get(names) if dims.fsdp_enabled or dims.dp_replicate_enabled else None
+        grad = dims.get_mesh(names)  # torchtitan 0.3.0 always applies FSDP2 (shard 1: a no-op)
         tp_mesh, cp_mesh, pp_mesh = get("tp"), get("cp"), get("pp")
     else:
         dense = world._unflatten(0, (pp, dpr, dps * cp, tp), ("pp", "dp_replicate", "fsdp", "tp"))
         batch = loading["batch"] if dpr * dps > 1 else None
-        if dps * cp > 1:
-            grad = dense["dp_replicate", "fsdp"] if dpr > 1 else dense["fsdp"]
-        else:
-            grad = dense["dp_replicate"] if dpr > 1 else None
+        grad = dense["dp_replicate", "fsdp"] if dpr > 1 else dense["fsdp"]
         tp_mesh = dense["tp"] if tp > 1 else None
         cp_mesh = loading["cp"] if cp > 1 else None
         pp_mesh = loading["pp"] if pp > 1 else None

@@ -102,6 +102,9 @@ def check_dataflow(
         if reason is not None:
             raise UsageError(reason)
     expected = expect(framework, world_size, **config)
+    reason = unsupported(framework, config, backend)
+    if reason is not None:
+        raise UsageError(reason)
     start = time.perf_counter()
 
     def result(**fields: Any) -> DataflowResult:
@@ -131,6 +134,34 @@ def check_dataflow(
         data_error = str(error)
     gradient_error = "\n".join(gradient_errors) if gradient_errors else None
     return result(data_error=data_error, gradient_error=gradient_error)
+
+
+def unsupported(framework: str, config: Mapping[str, Any], backend: str) -> str | None:
+    """Why torch 2.13 on CPU cannot run this layout's recipe on ``backend`` (None: it can)."""
+    if framework == "olmo-core" and _dp(config) == "ddp" and (config.get("tp") or 1) > 1:
+        return (
+            "OLMo-core's DDP over a tensor-parallel model cannot run on torch 2.13: "
+            "DistributedDataParallel broadcasts DTensor parameters with c10d.broadcast_, which "
+            "has no DTensor sharding strategy (NotImplementedError)"
+        )
+    if backend == "threaded" and _hsdp(framework, config):
+        return (
+            "an FSDP2 HSDP step is not exact on torch's threaded backend (the replicas' "
+            "parameters differ after the step although their gradients agree; gloo is exact): "
+            "run the data-flow check of an HSDP layout with backend 'gloo'"
+        )
+    return None
+
+
+def _dp(config: Mapping[str, Any]) -> str:
+    return str(getattr(config.get("dp"), "value", config.get("dp")))
+
+
+def _hsdp(framework: str, config: Mapping[str, Any]) -> bool:
+    """Does the recipe wrap this layout in FSDP2 over a 2-D (replicate, shard) mesh?"""
+    if framework == "olmo-core":
+        return _dp(config) == "hsdp"
+    return (config.get("dp_replicate") or 1) > 1  # torchtitan: FSDP2 on (dp_replicate, fsdp)
 
 
 def train_on_rank(
