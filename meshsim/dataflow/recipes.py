@@ -177,10 +177,12 @@ def train_on_rank(
     import torch.distributed as dist
 
     from meshsim.dataflow import meshes
+    from meshsim.dataflow._fresh import fresh_dtensor_caches
     from meshsim.dataflow.grad_check import assert_gradient_sync, loss_scale
     from meshsim.dataflow.records import BatchRecord
 
     _quiet()
+    fresh_dtensor_caches()
     rank = dist.get_rank()
     m = meshes.build(framework, world_size, config, real)
     data_rank, data_size = m.data_rank, m.data_size
