@@ -9,8 +9,15 @@ from meshsim.checks import (
     observe,
     observe_groups,
 )
+from meshsim.dataflow import (
+    BatchRecord,
+    assert_data_parallel,
+    assert_gradient_sync,
+    record_batches,
+)
 from meshsim.errors import (
     CollectiveDivergence,
+    DataflowMismatch,
     LayoutError,
     LayoutMismatch,
     MeshsimError,
@@ -38,7 +45,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CONVENTIONS",
     "ROLES",
+    "BatchRecord",
     "CollectiveDivergence",
+    "DataflowMismatch",
     "Expected",
     "Groups",
     "Kind",
@@ -58,6 +67,8 @@ __all__ = [
     "RunResult",
     "TeardownWarning",
     "UsageError",
+    "assert_data_parallel",
+    "assert_gradient_sync",
     "assert_layout",
     "context",
     "diff",
@@ -65,6 +76,7 @@ __all__ = [
     "layouts",
     "observe",
     "observe_groups",
+    "record_batches",
     "run",
     "shutdown",
 ]

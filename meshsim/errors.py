@@ -123,3 +123,20 @@ class TeardownWarning(MeshsimError, RuntimeWarning):
     the death is reported (this warning plus ``RunResult.teardown_failures``) instead of
     being hidden or blamed on the body.
     """
+
+
+class DataflowMismatch(MeshsimError, AssertionError):
+    """Ranks loaded, or reduced, what their roles forbid: the groups may be right, the use wrong.
+
+    Raised by :func:`meshsim.assert_data_parallel` and :func:`meshsim.assert_gradient_sync`.
+    ``problems`` holds one line per finding (the message shows the first few); each names the
+    step or parameter, the ranks, what differs and the likely wiring mistake.
+    """
+
+    def __init__(self, problems: list[str], *, what: str = "data flow") -> None:
+        shown = problems[:5]
+        more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        head = f"{what} break the reference's roles ({len(problems)} problem"
+        head += "s)" if len(problems) != 1 else ")"
+        super().__init__(head + ":\n  " + "\n  ".join(shown) + more)
+        self.problems = list(problems)

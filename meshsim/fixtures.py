@@ -84,3 +84,11 @@ def parametrize_layouts(
     """
     cases = layouts(world_size, framework, **options)
     return pytest.mark.parametrize("layout_case", cases, ids=[c.id for c in cases])
+
+
+@pytest.fixture
+def meshsim_dataflow(request: pytest.FixtureRequest, meshsim_expected: Expected) -> Any:
+    """Data-flow checks against this test's reference, callable on every rank."""
+    from meshsim.dataflow.probe import DataflowProbe
+
+    return DataflowProbe(meshsim_expected, _case(request)[0])

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from meshsim.fixtures import backend, meshsim_expected, rank, world_size  # noqa: F401 (fixtures)
+from meshsim.fixtures import (  # noqa: F401 (fixtures)
+    backend,
+    meshsim_dataflow,
+    meshsim_expected,
+    rank,
+    world_size,
+)
 
 CASE = "_meshsim_case"
 DEFAULT_BACKEND = "threaded"

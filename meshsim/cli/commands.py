@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshsim.cli import config_flags as cf
+from meshsim.cli import dataflow as dataflow_cli
 from meshsim.cli import render
 from meshsim.cli.compare import (
     DIFFERENT,
@@ -210,6 +211,9 @@ def verify(args: argparse.Namespace) -> int:
         raise UsageError("verify needs --world-size (or a torchrun launch that sets WORLD_SIZE)")
     config = _config(args, args.framework, world)
     expected = expect(args.framework, world, **config)  # bad config: exit 2 before any rank runs
+    dataflow = getattr(args, "dataflow", False)
+    if dataflow:
+        dataflow_cli.check_args(args)
     verify_fn = _verify_api()
     started = time.perf_counter()
     try:
@@ -221,19 +225,24 @@ def verify(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - started
     quiet = launched is not None and launched[0] != 0
     out = render.console(stderr=args.json, quiet=quiet)
+    flow = dataflow_cli.run(args, world, config) if dataflow else None
+    passed = result.passed and (flow is None or flow.passed)
     if args.json:
         if not quiet:
-            render.print_json(
-                {
-                    "verb": "verify",
-                    "exit_code": 0 if result.passed else 1,
-                    **result_json(result),
-                    "wall_seconds": wall,
-                }
-            )
-        return 0 if result.passed else 1
+            report = {
+                "verb": "verify",
+                "exit_code": 0 if passed else 1,
+                **result_json(result),
+                "wall_seconds": wall,
+            }
+            if flow is not None:
+                report["dataflow"] = dataflow_cli.as_json(flow)
+            render.print_json(report)
+        return 0 if passed else 1
     print_result(out, result, expected, wall)
-    return 0 if result.passed else 1
+    if flow is not None:
+        dataflow_cli.print_result(out, flow)
+    return 0 if passed else 1
 
 
 def _verify_api() -> Any:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from meshsim.cli import config_flags as cf
+from meshsim.cli import dataflow as dataflow_cli
 from meshsim.errors import LayoutError, UsageError
 
 VERBS = ("show", "diff", "verify", "sweep", "list")
@@ -20,6 +21,7 @@ BACKENDS = ("fake", "threaded", "gloo", "nccl")
 SWEEP_BACKEND = "fake"
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
+    | {"--dataflow"}
 )
 
 EPILOG = """\
@@ -205,6 +207,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="seconds before the ranks are stopped (default 120)",
     )
     verify.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    dataflow_cli.add_flag(verify)
     if verb == "verify" and frameworks:
         cf.add_config_flags(verify, frameworks)
 

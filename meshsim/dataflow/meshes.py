@@ -1,0 +1,155 @@
+"""The meshes a trainer hands its data loader and its model wrapper, built each framework's way.
+
+OLMo-core: ``build_world_mesh`` then ``get_dp_process_group`` for the loader and
+``get_dp_model_mesh`` for FSDP/DDP; torchtitan: ``ParallelDims.build_mesh`` then the ``batch``
+mesh for the loader and ``["dp_replicate", "fsdp"]`` for FSDP. Without ``real`` the plain-torch
+replays in :mod:`meshsim.builders` build them; with ``real`` the installed framework does. The
+reference is never read here: the recipe must stand on the framework's own wiring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshsim.errors import UsageError
+
+FRAMEWORKS = ("olmo-core", "torchtitan")
+
+
+@dataclass
+class TrainerMeshes:
+    """What a trainer reads off its parallel state (``None`` when a degree is 1 or absent)."""
+
+    data_rank: int
+    data_size: int
+    #: Where gradients are reduced: 1-D (FSDP / DDP) or 2-D (HSDP: replicate, shard).
+    grad: DeviceMesh | None
+    #: The data-loading mesh as a real mesh (what the wrong wiring wraps the model over).
+    data: DeviceMesh | None
+    #: The gradient group flattened to one dim (what the wrong sampler splits over).
+    grad_flat: DeviceMesh | None
+    tp: DeviceMesh | None
+    cp_rank: int
+    cp_size: int
+    pp_rank: int
+    ddp: bool
+
+
+def build(framework: str, world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
+    if framework == "olmo-core":
+        return _olmo(world_size, config, real)
+    if framework == "torchtitan":
+        return _torchtitan(world_size, config, real)
+    raise UsageError(f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}")
+
+
+def _local(mesh: Any) -> tuple[int, int]:
+    if mesh is None:
+        return 0, 1
+    if isinstance(mesh, DeviceMesh):
+        return mesh.get_local_rank(), mesh.size()
+    return dist.get_rank(mesh), dist.get_world_size(mesh)
+
+
+def _flat(mesh: DeviceMesh | None, name: str) -> DeviceMesh | None:
+    if mesh is None or mesh.ndim == 1:
+        return mesh
+    return mesh._flatten(name)
+
+
+# -- OLMo-core ------------------------------------------------------------------------------------
+def _olmo(world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
+    if real:
+        from meshsim.builders.real import _shims
+        from meshsim.builders.real.olmo_core import _configs
+
+        (parallel,) = _shims.load("olmo_core.distributed.parallel")
+        stack = contextlib.ExitStack()
+        stack.enter_context(_shims.unchanged_environ())
+        stack.enter_context(_shims.olmo_fresh_world_mesh())
+        stack.enter_context(_shims.olmo_num_nodes(config.get("num_nodes") or 1))
+        with stack:
+            root = parallel.build_world_mesh(**_configs(parallel, config), device_type="cpu")
+            return _olmo_getters(root, config, parallel)
+    from meshsim.builders import olmo_core as parallel_plain
+
+    root = parallel_plain.build_world_mesh(world_size, config)
+    return _olmo_getters(root, config, _PlainOlmo(parallel_plain))
+
+
+class _PlainOlmo:
+    """meshsim's OLMo replay under OLMo's getter names."""
+
+    def __init__(self, module: Any) -> None:
+        self._getters = module.GETTERS
+
+    def __getattr__(self, name: str) -> Any:
+        return self._getters[name]
+
+
+def _olmo_getters(root: DeviceMesh, config: Mapping[str, Any], parallel: Any) -> TrainerMeshes:
+    names = [str(getattr(n, "value", n)) for n in root.mesh_dim_names or ()]
+    data_rank, data_size = _local(parallel.get_dp_process_group(root))
+    data = parallel.get_dp_mesh(root)
+    data = _flat(data, "meshsim_data")
+    grad = parallel.get_dp_model_mesh(root)
+    tp = parallel.get_tp_mesh(root) if "tp" in names else None
+    cp_rank, cp_size = _local(parallel.get_cp_mesh(root) if "cp" in names else None)
+    pp_rank, _ = _local(parallel.get_pp_mesh(root) if "pp" in names else None)
+    dp = str(getattr(config.get("dp"), "value", config.get("dp")))
+    return TrainerMeshes(
+        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"), tp, cp_rank, cp_size,
+        pp_rank, ddp=dp == "ddp",
+    )  # fmt: skip
+
+
+# -- torchtitan -----------------------------------------------------------------------------------
+_TT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
+
+def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
+    from meshsim.builders._common import mesh
+    from meshsim.builders.torchtitan import _validate
+
+    if config.get("version", "current") != "current":
+        raise UsageError("the torchtitan data-flow recipe follows version='current' only")
+    raw = {k: config.get(k, -1 if k == "dp_shard" else 1) for k in _TT_KEYS}
+    d = _validate(world_size, raw, with_etp=False)
+    pp, dpr, dps, cp, tp = (d[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    world = mesh((world_size,), ("world",))
+    # The loader's view (pp, batch, cp, tp), with real groups (torchtitan backs batch with the
+    # fake backend: the loader only reads its rank and size).
+    loading = world._unflatten(0, (pp, dpr * dps, cp, tp), ("pp", "batch", "cp", "tp"))
+    if real:
+        from meshsim.builders.real import _shims
+        from meshsim.builders.real.torchtitan import parallel_dims
+
+        _shims.register_fake_backend()
+        dims = parallel_dims(world_size, {**config, "spmd_backend": "partial_dtensor"})
+        with _shims.unchanged_environ(), _shims.torchtitan_device("cpu"):
+            dims.build_mesh()
+        get = dims.get_optional_mesh
+        batch = get("batch")
+        names = ["dp_replicate", "fsdp"] if dims.dp_replicate_enabled else ["fsdp"]
+        grad = dims.get_mesh(names)  # torchtitan 0.3.0 always applies FSDP2 (shard 1: a no-op)
+        tp_mesh, cp_mesh, pp_mesh = get("tp"), get("cp"), get("pp")
+    else:
+        dense = world._unflatten(0, (pp, dpr, dps * cp, tp), ("pp", "dp_replicate", "fsdp", "tp"))
+        batch = loading["batch"] if dpr * dps > 1 else None
+        grad = dense["dp_replicate", "fsdp"] if dpr > 1 else dense["fsdp"]
+        tp_mesh = dense["tp"] if tp > 1 else None
+        cp_mesh = loading["cp"] if cp > 1 else None
+        pp_mesh = loading["pp"] if pp > 1 else None
+    data_rank, data_size = _local(batch)
+    cp_rank, cp_size = _local(cp_mesh)
+    pp_rank, _ = _local(pp_mesh)
+    return TrainerMeshes(
+        data_rank, data_size, grad, loading["batch"], _flat(grad, "meshsim_grad"), tp_mesh,
+        cp_rank, cp_size, pp_rank, ddp=dps * cp == 1,
+    )  # fmt: skip

@@ -1,0 +1,289 @@
+"""End-to-end data-flow recipe: a tiny model and dataset trained on N ranks, then both probes.
+
+Every rank builds its framework's meshes (:mod:`meshsim.dataflow.meshes`), loads batches with
+``DistributedSampler`` over the data-loading mesh, takes its context-parallel chunk of each
+sequence, runs a TP-sharded MLP wrapped in FSDP2 (``fully_shard``; HSDP on a 2-D mesh) or
+``DistributedDataParallel`` over the gradient mesh, steps an optimizer with a per-rank loss
+scale, and checks gradients in the rank; the parent checks what every rank loaded. ``wiring``
+selects the right wiring or one of three classic wrong ones, which the checks must catch.
+
+Pipeline stages each train their own stage module on the batches they load (no activations
+cross stages), which is what the data and gradient rules are about.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshsim.errors import DataflowMismatch, RankFailure, RankTimeout, UsageError
+
+#: The right wiring, then the three classic mistakes.
+WIRINGS = (
+    "correct",
+    "sampler_over_gradient_mesh",
+    "wrapper_over_data_mesh",
+    "tp_different_seeds",
+)
+STEPS = 2
+PER_RANK_BATCH = 2
+SEQUENCE = 8
+WIDTH = 4
+
+
+@dataclass(frozen=True)
+class DataflowResult:
+    """One recipe run: passed when both the data and the gradient check held on every rank."""
+
+    framework: str
+    world_size: int
+    config: Mapping[str, Any]
+    backend: str
+    wiring: str
+    real: bool
+    data_error: str | None
+    gradient_error: str | None
+    seconds: float
+    error: str | None = field(default=None)
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.data_error is None and self.gradient_error is None
+
+    def __str__(self) -> str:
+        cfg = " ".join(f"{k}={v}" for k, v in self.config.items())
+        head = (
+            f"{self.framework} {cfg} world_size={self.world_size} on {self.backend} "
+            f"(dataflow, {self.wiring} wiring): "
+        )
+        if self.passed:
+            return head + "PASS, batches follow the data mesh and gradients the gradient mesh"
+        parts = [p for p in (self.error, self.data_error, self.gradient_error) if p]
+        return head + "FAIL\n" + "\n".join(parts)
+
+
+def check_dataflow(
+    framework: str,
+    world_size: int,
+    backend: str = "gloo",
+    *,
+    wiring: str = "correct",
+    real: bool = False,
+    timeout: float = 120.0,
+    **config: Any,
+) -> DataflowResult:
+    """Run the recipe for ``framework``'s convention on ``world_size`` ranks and check it.
+
+    Harness failures (a crash, a hang) come back as ``error``; the checks' findings as
+    ``data_error`` / ``gradient_error``. The fake tier cannot move data: ``UsageError``.
+    """
+    from meshsim.dataflow.data_check import assert_data_parallel
+    from meshsim.dataflow.meshes import FRAMEWORKS
+    from meshsim.harness import run
+    from meshsim.model.conventions import expect
+
+    if backend == "fake":
+        raise UsageError(
+            "the data-flow check needs real collectives: the fake backend moves no data, so "
+            "batches and gradients cannot be compared; use --backend threaded or gloo"
+        )
+    if framework not in FRAMEWORKS:
+        raise UsageError(
+            f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}"
+        )
+    if wiring not in WIRINGS:
+        raise UsageError(f"unknown wiring {wiring!r}; one of {', '.join(WIRINGS)}")
+    if real:
+        from meshsim.builders.real import unavailable
+
+        reason = unavailable(framework)
+        if reason is not None:
+            raise UsageError(reason)
+    expected = expect(framework, world_size, **config)
+    reason = unsupported(framework, config, backend)
+    if reason is not None:
+        raise UsageError(reason)
+    start = time.perf_counter()
+
+    def result(**fields: Any) -> DataflowResult:
+        values = {"data_error": None, "gradient_error": None, **fields}
+        seconds = time.perf_counter() - start
+        return DataflowResult(
+            framework, world_size, dict(config), backend, wiring, real, seconds=seconds, **values
+        )
+
+    try:
+        outcomes = list(
+            run(
+                train_on_rank,
+                world_size,
+                backend=backend,
+                timeout=timeout,
+                args=(framework, world_size, dict(config), wiring, real, expected),
+            )
+        )
+    except (RankFailure, RankTimeout) as error:
+        return result(error=str(error))
+    gradient_errors = sorted({g for _, g in outcomes if g})
+    try:
+        assert_data_parallel([r for r, _ in outcomes], expected)
+        data_error = None
+    except DataflowMismatch as error:
+        data_error = str(error)
+    gradient_error = "\n".join(gradient_errors) if gradient_errors else None
+    return result(data_error=data_error, gradient_error=gradient_error)
+
+
+def unsupported(framework: str, config: Mapping[str, Any], backend: str) -> str | None:
+    """Why torch 2.13 on CPU cannot run this layout's recipe on ``backend`` (None: it can)."""
+    if framework == "olmo-core" and _dp(config) == "ddp" and (config.get("tp") or 1) > 1:
+        return (
+            "OLMo-core's DDP over a tensor-parallel model cannot run on torch 2.13: "
+            "DistributedDataParallel broadcasts DTensor parameters with c10d.broadcast_, which "
+            "has no DTensor sharding strategy (NotImplementedError)"
+        )
+    if backend == "threaded" and _hsdp(framework, config):
+        return (
+            "an FSDP2 HSDP step is not exact on torch's threaded backend (the replicas' "
+            "parameters differ after the step although their gradients agree; gloo is exact): "
+            "run the data-flow check of an HSDP layout with backend 'gloo'"
+        )
+    return None
+
+
+def _dp(config: Mapping[str, Any]) -> str:
+    return str(getattr(config.get("dp"), "value", config.get("dp")))
+
+
+def _hsdp(framework: str, config: Mapping[str, Any]) -> bool:
+    """Does the recipe wrap this layout in FSDP2 over a 2-D (replicate, shard) mesh?"""
+    if framework == "olmo-core":
+        return _dp(config) == "hsdp"
+    return (config.get("dp_replicate") or 1) > 1  # torchtitan: FSDP2 on (dp_replicate, fsdp)
+
+
+def train_on_rank(
+    framework: str,
+    world_size: int,
+    config: Mapping[str, Any],
+    wiring: str,
+    real: bool,
+    expected: Any,
+) -> tuple[Any, str | None]:
+    """On one rank: build, load, train ``STEPS`` steps, check gradients; (record, finding)."""
+    import torch
+    import torch.distributed as dist
+
+    from meshsim.dataflow import meshes
+    from meshsim.dataflow._fresh import fresh_dtensor_caches
+    from meshsim.dataflow.grad_check import assert_gradient_sync, loss_scale
+    from meshsim.dataflow.records import BatchRecord
+
+    _quiet()
+    fresh_dtensor_caches()
+    rank = dist.get_rank()
+    m = meshes.build(framework, world_size, config, real)
+    data_rank, data_size = m.data_rank, m.data_size
+    if wiring == "sampler_over_gradient_mesh" and m.grad_flat is not None:
+        data_rank, data_size = m.grad_flat.get_local_rank(), m.grad_flat.size()
+    seed = 1234
+    if wiring == "tp_different_seeds" and m.tp is not None:
+        seed += m.tp.get_local_rank()
+    wrap_over = m.data if wiring == "wrapper_over_data_mesh" else m.grad
+
+    model = _model(m.pp_rank)
+    if m.tp is not None:
+        _shard_tensor_parallel(model, m.tp)
+    model = _wrap(model, wrap_over, m.ddp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    loader = _loader(data_rank, data_size, seed, STEPS * PER_RANK_BATCH * data_size)
+    record = BatchRecord(rank)
+    chunk = SEQUENCE // m.cp_size
+    lo, hi = m.cp_rank * chunk, (m.cp_rank + 1) * chunk
+    for ids, samples in loader:
+        record.add(ids.tolist(), chunk=(lo, hi))
+        out = model(samples[:, lo:hi])
+        loss = (out * out).mean() * loss_scale(rank)
+        loss.backward()
+        optimizer.step()
+        if len(record.steps) < STEPS:
+            optimizer.zero_grad()
+    try:
+        assert_gradient_sync(model, expected)
+        finding = None
+    except DataflowMismatch as error:
+        finding = str(error)
+    return record, finding
+
+
+def _quiet() -> None:
+    """Silence the two notices the tiny model triggers on every rank (not problems here)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _model(stage: int) -> Any:
+    import torch
+
+    torch.manual_seed(stage)  # the same weights on every replica and TP peer of a stage
+    return torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, 2 * WIDTH, dtype=torch.float64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2 * WIDTH, WIDTH, dtype=torch.float64),
+    )
+
+
+def _shard_tensor_parallel(model: Any, tp: Any) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _wrap(model: Any, mesh: Any, ddp: bool) -> Any:
+    if mesh is None or mesh.size() == 1:
+        return model
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        flat = mesh if mesh.ndim == 1 else mesh._flatten("meshsim_ddp")
+        return DistributedDataParallel(model, process_group=flat.get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=mesh)
+
+
+class _Samples:
+    """Sample ``i`` is a (SEQUENCE, WIDTH) float64 tensor seeded by ``i``: content = identity."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        import torch
+
+        generator = torch.Generator().manual_seed(index)
+        return index, torch.randn(SEQUENCE, WIDTH, dtype=torch.float64, generator=generator)
+
+
+def _loader(rank: int, size: int, seed: int, samples: int) -> Any:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    dataset = _Samples(samples)
+    sampler = DistributedSampler(
+        dataset, num_replicas=size, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
+    sampler.set_epoch(0)
+    return DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler)

@@ -1,0 +1,76 @@
+"""End to end: the OLMo-core and torchtitan recipes at world 8 (dp 2 x cp 2 x tp 2).
+
+The right wiring passes; each classic wrong wiring fails with a message naming the mistake.
+threaded runs by default; gloo (the same checks across processes) is marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import meshsim
+from meshsim import UsageError
+from meshsim.dataflow.recipes import check_dataflow
+
+LAYOUTS = {
+    "olmo-core": {"dp": "fsdp", "cp": 2, "tp": 2},
+    "torchtitan": {"dp_shard": 2, "cp": 2, "tp": 2},
+}
+#: What each wrong wiring's message must say (the ranks, then the mistake).
+CAUGHT = {
+    "sampler_over_gradient_mesh": (
+        "data_error",
+        ["ranks 0 and 2 are CP peers", "sampler was split over the gradient group"],
+    ),
+    "wrapper_over_data_mesh": (
+        "gradient_error",
+        ["CP peers 0 and 2 share gradient group (0, 2, 4, 6)", "reduces gradients over the data"],
+    ),
+    "tp_different_seeds": (
+        "data_error",
+        ["ranks 0 and 1 are TP peers", "different random seeds"],
+    ),
+}
+BACKENDS = ["threaded", pytest.param("gloo", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("framework", list(LAYOUTS))
+def test_the_right_wiring_passes(framework: str, backend: str) -> None:
+    result = check_dataflow(framework, 8, backend, **LAYOUTS[framework])
+    assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wiring", list(CAUGHT))
+@pytest.mark.parametrize("framework", list(LAYOUTS))
+def test_each_wrong_wiring_is_caught_and_named(framework: str, wiring: str, backend: str) -> None:
+    result = check_dataflow(framework, 8, backend, wiring=wiring, **LAYOUTS[framework])
+    assert not result.passed and result.error is None, str(result)
+    field, phrases = CAUGHT[wiring]
+    message = getattr(result, field)
+    assert message is not None, str(result)
+    for phrase in phrases:
+        assert phrase in message, message
+    other = "gradient_error" if field == "data_error" else "data_error"
+    assert getattr(result, other) is None, str(result)  # only the mistake made is reported
+
+
+def test_the_fake_tier_cannot_move_data() -> None:
+    with pytest.raises(UsageError, match="fake backend moves no data"):
+        check_dataflow("olmo-core", 8, "fake", **LAYOUTS["olmo-core"])
+
+
+def test_hsdp_on_threaded_is_refused_with_the_reason() -> None:
+    with pytest.raises(UsageError, match="with backend 'gloo'"):
+        check_dataflow("olmo-core", 8, "threaded", dp="hsdp", num_replicas=2, cp=2, tp=2)
+
+
+def test_conventions_without_a_recipe_are_refused() -> None:
+    with pytest.raises(UsageError, match="recipe exists for olmo-core, torchtitan"):
+        check_dataflow("megatron", 8, "threaded")
+
+
+def test_public_names() -> None:
+    for name in ("record_batches", "assert_data_parallel", "assert_gradient_sync"):
+        assert name in meshsim.__all__ and callable(getattr(meshsim, name))

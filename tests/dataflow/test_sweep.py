@@ -1,0 +1,77 @@
+"""The data-flow recipe over world-8 layouts of olmo-core and torchtitan: every one passes.
+
+The full sweep (every distinct layout, on gloo) is slow; the default run keeps a sample that
+covers FSDP, DDP, HSDP, CP, TP and PP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshsim import UsageError, layouts
+from meshsim.dataflow.recipes import _hsdp, check_dataflow, unsupported
+
+_TT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
+
+def _distinct() -> list[tuple[str, dict[str, Any]]]:
+    """Every world-8 layout; torchtitan's by degrees of the current version (its spmd_backend and
+    older versions name the same meshes differently, the data flow is the same)."""
+    seen: set[tuple[str, tuple]] = set()
+    out = []
+    for case in layouts(8, ["olmo-core", "torchtitan"]):
+        config = dict(case.config)
+        if case.framework == "torchtitan":
+            if config.get("version", "current") != "current" or config.get("etp", 1) != 1:
+                continue
+            config = {k: config[k] for k in _TT_KEYS if k in config}
+        key = (case.framework, tuple(sorted(config.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append((case.framework, config))
+    return out
+
+
+ALL = _distinct()
+SAMPLE = [
+    ("olmo-core", {"dp": "ddp", "cp": 2}),
+    ("olmo-core", {"dp": "fsdp", "pp": 2, "cp": 2}),
+    ("torchtitan", {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2, "pp": 2, "ep": 1}),
+    ("torchtitan", {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 2, "ep": 2}),
+]
+
+
+def _id(case: tuple[str, dict[str, Any]]) -> str:
+    return case[0] + "-" + "-".join(f"{k}{v}" for k, v in case[1].items())
+
+
+@pytest.mark.parametrize("case", SAMPLE, ids=_id)
+def test_sample_passes_on_threaded(case: tuple[str, dict[str, Any]]) -> None:
+    framework, config = case
+    assert unsupported(framework, config, "threaded") is None
+    result = check_dataflow(framework, 8, "threaded", **config)
+    assert result.passed, str(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ALL, ids=_id)
+def test_every_world8_layout_passes_on_gloo(case: tuple[str, dict[str, Any]]) -> None:
+    framework, config = case
+    reason = unsupported(framework, config, "gloo")
+    if reason is not None:
+        pytest.skip(reason)
+    result = check_dataflow(framework, 8, "gloo", **config)
+    assert result.passed, str(result)
+
+
+def test_ddp_over_a_tp_model_is_skipped_with_the_reason() -> None:
+    with pytest.raises(UsageError, match="no DTensor sharding strategy"):
+        check_dataflow("olmo-core", 8, "gloo", dp="ddp", tp=2)
+
+
+def test_the_sweep_covers_both_conventions_and_hsdp() -> None:
+    assert {f for f, _ in ALL} == {"olmo-core", "torchtitan"}
+    assert any(_hsdp(f, c) for f, c in ALL)
+    assert all(c in ALL for c in SAMPLE)
