@@ -14,6 +14,7 @@ import pytest
 
 from meshsim.errors import RankFailure
 from meshsim.harness import run
+from meshsim.harness.pool import pool_pids
 
 
 def world_age() -> tuple[int, int]:
@@ -73,10 +74,12 @@ def recv_from_zero() -> tuple[float, tuple[int, int]]:
 
 def test_point_to_point_traffic_drops_the_world() -> None:
     run(world_age, 2, "gloo", timeout=60)
-    before = run(unmatched_send, 2, "gloo", timeout=60)
+    run(unmatched_send, 2, "gloo", timeout=60)
+    warm = set(pool_pids())
     after = run(recv_from_zero, 2, "gloo", timeout=60)
     assert after[1][0] == 7.0  # not the 99.0 the previous job left unreceived
-    assert [a[1][0] for a in after] == [b[0] for b in before]  # the same warm workers
+    # Warm workers (which idle ones are handed out is the pool's choice), no new start.
+    assert {a[1][0] for a in after} <= warm
     assert [a[1][1] for a in after] == [0, 0]  # but a fresh world group
 
 
