@@ -211,6 +211,6 @@ def test_assertrepr_explains_layout_diff(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "*observed layout differs from the reference*",
-            "*tp: rank 0 holds (0, 2); expected (0, 1)*",
+            "*tp: 4 ranks in the wrong group*expected [[]*(0, 1), (2, 3)*[]]; observed [[]*(0, 2), (1, 3)*",
         ]
     )

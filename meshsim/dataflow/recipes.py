@@ -231,12 +231,18 @@ def _quiet() -> None:
 def _model(stage: int) -> Any:
     import torch
 
-    torch.manual_seed(stage)  # the same weights on every replica and TP peer of a stage
-    return torch.nn.Sequential(
+    model = torch.nn.Sequential(
         torch.nn.Linear(WIDTH, 2 * WIDTH, dtype=torch.float64),
         torch.nn.ReLU(),
         torch.nn.Linear(2 * WIDTH, WIDTH, dtype=torch.float64),
     )
+    # The same weights on every replica and TP peer of a stage. A private generator, not
+    # torch.manual_seed: threaded ranks share the process's global RNG and would race on it.
+    generator = torch.Generator().manual_seed(stage)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, dtype=param.dtype, generator=generator) * 0.1)
+    return model
 
 
 def _shard_tensor_parallel(model: Any, tp: Any) -> None:

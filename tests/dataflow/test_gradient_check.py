@@ -91,8 +91,11 @@ def test_a_missing_member_is_caught_by_the_loss_scale(backend: str, wrapper: str
 
 def test_different_initial_weights_are_caught_even_when_gradients_agree() -> None:
     def body() -> str:
-        torch.manual_seed(dist.get_rank() % 2)  # cp peers differ; dp peers agree
+        # cp peers differ; dp peers agree. Not torch.manual_seed: threaded ranks share one RNG.
         model = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_((dist.get_rank() // 2) % 2)  # the cp coordinate
         for param in model.parameters():
             param.grad = torch.ones_like(param)
         try:

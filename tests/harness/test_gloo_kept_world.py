@@ -116,11 +116,12 @@ def fail_on_one() -> int:
 
 
 def test_a_failed_job_drops_the_world() -> None:
-    before = run(world_age, 2, "gloo", timeout=60)
+    run(world_age, 2, "gloo", timeout=60)
     with pytest.raises(RankFailure):
         run(fail_on_one, 2, "gloo", timeout=60)
+    warm = set(pool_pids())
     after = run(world_age, 2, "gloo", timeout=60)
-    assert [p for p, _ in after] == [p for p, _ in before]  # the workers stayed warm
+    assert {p for p, _ in after} <= warm  # the workers stayed warm: none was started
     assert [s for _, s in after] == [0, 0]  # but the world group is new
 
 
