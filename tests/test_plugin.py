@@ -211,6 +211,7 @@ def test_assertrepr_explains_layout_diff(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "*observed layout differs from the reference*",
-            "*tp: 4 ranks in the wrong group*expected [[]*(0, 1), (2, 3)*[]]; observed [[]*(0, 2), (1, 3)*",
+            "*tp: 4 ranks in the wrong group*expected [[]*(0, 1), (2, 3)*"
+            "[]]; observed [[]*(0, 2), (1, 3)*",
         ]
     )
