@@ -153,6 +153,29 @@ def reset_rank_state(*, keep_default: bool = False) -> None:
     random_mod = sys.modules.get("torch.distributed.tensor._random")
     if random_mod is not None and getattr(random_mod, "_rng_tracker", None) is not None:
         random_mod._rng_tracker = None  # type: ignore[attr-defined]
+    if "torch.distributed.tensor._api" in sys.modules:
+        forget_dtensor_plans()
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached sharding and redistribute plans.
+
+    They are keyed by specs whose meshes compare equal across runs, so a plan cached by the
+    previous job of a warm worker (or the previous fake rank) names process groups that job
+    destroyed: "Could not resolve the process group registered under the name 10".
+    """
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._api import DTensor
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    plans = getattr(_redistribute, "_gen_transform_infos", None)
+    if plans is not None and hasattr(plans, "cache_clear"):
+        plans.cache_clear()
 
 
 def leftovers(kept: Any = None) -> list[str]:

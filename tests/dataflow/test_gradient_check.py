@@ -34,9 +34,6 @@ def _step(wrapper: str, over: str) -> str | None:
     )
     from torch.nn.parallel import DistributedDataParallel
 
-    from meshsim.dataflow._fresh import fresh_dtensor_caches
-
-    fresh_dtensor_caches()  # this gloo worker may have run DTensor code before
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
     grad_mesh = {"dp_cp": mesh["dp", "cp"]._flatten("dp_cp"), "dp": mesh["dp"]}[over]
     torch.manual_seed(0)
