@@ -6,7 +6,9 @@ hand: each generator becomes a DeviceMesh laid out from the order string (order 
 its axes ``_flatten``-ed by torch, the partial-optimizer / hierarchical-CP / hybrid groups are
 ``_unflatten`` s of live groups, and embedding groups are ``new_group`` s over the first/last
 stage of the pipeline groups torch's decoder mesh holds. The expert groups come from a second
-DeviceMesh built for the expert generator.
+DeviceMesh built for the expert generator. The gloo twins and the all-gather dp-cp group are
+``new_group`` s (backend gloo) over the families torch's meshes list; a ``HyperCommGrid`` is a
+DeviceMesh over its own ranks (reversed dims) whose ``create_pg`` groups are ``_flatten`` s.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -90,7 +93,100 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     for token in _EXPERT:
         entries[f"expert:{token}"] = _token_mesh(expert, token, "expert:")
     entries.update(_partial_expert_groups(expert, edp, instances))
+    entries = _with_twins(entries, config, decoder, expert, dp * cp // instances)
+    if config.get("hyper_comm_grid"):
+        entries.update(_grid_groups(world_size, config["hyper_comm_grid"]))
     return collect(entries)
+
+
+def _with_twins(
+    entries: dict[str, Entry],
+    config: Mapping[str, Any],
+    decoder: DeviceMesh,
+    expert: DeviceMesh,
+    intra_width: int,
+) -> dict[str, Entry]:
+    """Each entry followed by the groups made over the same ranks: ``dp-cp:ag`` (a second
+    default-backend group) and the gloo twins; ones not made are the getter's AssertionError."""
+    dp_cp = all_groups(decoder, ["dp", "cp"])
+    expert_dp = all_groups(expert, ["expert:dp"])
+    split_intra = torch.tensor(expert_dp).reshape(-1, len(expert_dp[0]) // _instances(config))
+    families: dict[str, list[list[int]]] = {
+        "dp-cp": dp_cp,
+        "intra_dp_cp": torch.tensor(dp_cp).reshape(-1, intra_width).tolist(),
+        "dp": all_groups(decoder, ["dp"]),
+        "expert:dp": expert_dp,
+        "expert:intra_dp": split_intra.tolist(),
+    }
+    gloo = config.get("create_gloo_process_groups", True)
+    out: dict[str, Entry] = {}
+    for name, entry in entries.items():
+        out[name] = entry
+        if name == "dp-cp":
+            made = bool(config.get("create_all_gather_group"))
+            out["dp-cp:ag"] = new_groups(dp_cp) if made else AssertionError("no AG group")
+        if name in families:
+            out[f"{name}:gloo"] = _gloo_groups(families[name]) if gloo else AssertionError(name)
+    return out
+
+
+def _instances(config: Mapping[str, Any]) -> int:
+    return degree(config, "num_distributed_optimizer_instances")
+
+
+def _gloo_groups(groups: list[list[int]]) -> dist.ProcessGroup | None:
+    """``new_group(ranks, backend="gloo")`` for every group; this rank's. The fake backend (no
+    gloo behind it) gets default-backend groups: its groups are metadata only anyway."""
+    backend = None if str(dist.get_backend()) == "fake" else "gloo"
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks=ranks, backend=backend)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _grid_groups(world_size: int, spec: Mapping[str, Any]) -> dict[str, Entry]:
+    """A HyperCommGrid: its dims reversed lay out a DeviceMesh over its ranks, and each
+    ``create_pg`` is a ``new_group`` per group spanning the dims, read off that mesh. (Not
+    slices: torch slices a mesh only on its member ranks, and the grid may leave ranks out.)"""
+    shape = [int(s) for s in spec["shape"]]
+    names = [str(n) for n in spec["dim_names"]]
+    offset = int(spec.get("rank_offset", 0))
+    require(len(shape) == len(names), "len(shape) != len(dim_names)", "ValueError")
+    require(offset >= 0, f"rank_offset must be non-negative, got {offset}", "ValueError")
+    size = math.prod(shape)
+    require(size <= world_size - offset, f"grid shape {shape} is over sized", "RuntimeError")
+    root: DeviceMesh | None = None
+    entries: dict[str, Entry] = {}
+    for dims in spec.get("pgs", ()):
+        ordered = _grid_dims(names, dims)
+        key = "-".join(ordered)
+        require(f"hyper_comm_grid[{key}]" not in entries, f"{key} already created", "KeyError")
+        usable = all(n.isidentifier() and n[0] != "_" and n[-1] != "_" for n in names)
+        unique = len(set(names)) == len(names) and len(set(ordered)) == len(ordered)
+        require(usable and unique and set(ordered) <= set(names), f"einops: {dims}", "EinopsError")
+        if root is None:
+            ranks = torch.arange(offset, offset + size).reshape(shape[::-1])
+            root = DeviceMesh(
+                _device_type(), ranks, mesh_dim_names=tuple(names[::-1]), _init_backend=False
+            )
+        entries[f"hyper_comm_grid[{key}]"] = new_groups(all_groups(root, ordered))
+    return entries
+
+
+def _grid_dims(names: list[str], dims: Any) -> list[str]:
+    """``create_pg``'s reading of ``dims``: a string as given, a list slowest dim first."""
+    if isinstance(dims, str):
+        return [dims]
+    slowest_first = names[::-1]
+    require(all(d in slowest_first for d in dims), f"unknown dims in {dims}", "ValueError")
+    require(len(dims) > 0, "create_pg([]) spans no dim", "TypeError")
+    return [slowest_first[i] for i in sorted(slowest_first.index(d) for d in dims)]
+
+
+def _device_type() -> str:
+    return "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
 
 
 def _validate(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -42,7 +42,9 @@ class LayoutCase:
     def id(self) -> str:
         parts = [self.framework, str(self.world_size)]
         for key, value in self.config.items():
-            if isinstance(value, (list, tuple)):
+            if isinstance(value, Mapping):  # e.g. megatron's hyper_comm_grid
+                value = _compact(value)
+            elif isinstance(value, (list, tuple)):
                 value = ",".join(map(str, value)) if value else "-"
             text = str(value).replace(" -> ", ">").replace(" ", ":")
             parts.append(f"{_short(key)}={text}")
@@ -67,6 +69,15 @@ _SHORT = {
     "mesh_dim_names": "names",
     "mesh_shape": "shape",
 }
+
+
+def _compact(value: Any) -> str:
+    """A nested config value without quotes or spaces: ``{shape:[2,4],pgs:[tp,[tp,dp]]}``."""
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_compact(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_compact(v) for v in value) + "]"
+    return str(value)
 
 
 def _short(key: str) -> str:

@@ -28,7 +28,7 @@ def test_verify_fake_passes_with_a_table() -> None:
     result = run_cli("verify", "megatron", "-n", "8", "--tp", "2", "--pp", "2", "--backend", "fake")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "PASS: 19 kinds checked" in out
+    assert "PASS: 25 kinds checked" in out
     row = next(line for line in out.splitlines() if line.startswith("│ tp "))
     assert [c.strip() for c in row.strip("│").split("│")] == ["tp", "4", "2", "yes", "no (fake)"]
 
@@ -188,5 +188,5 @@ def test_verify_under_torchrun_runs_on_the_job_ranks_and_prints_once() -> None:
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("PASS: 19 kinds checked") == 1  # rank 0 only
+    assert result.stdout.count("PASS: 25 kinds checked") == 1  # rank 0 only
     assert "megatron world_size=2" in result.stdout

@@ -350,10 +350,13 @@ def test_kinds_follow_creation_order() -> None:
     )
     assert list(exp.kinds()) == [
         "dp-cp",
+        "dp-cp:gloo",
         "intra_dp_cp",
+        "intra_dp_cp:gloo",
         "hybrid_dp_cp:2",
         "hybrid_dp_cp:4",
         "dp",
+        "dp:gloo",
         "cp",
         "hierarchical_cp:0",
         "tp-pp",
@@ -365,10 +368,13 @@ def test_kinds_follow_creation_order() -> None:
         "tp-dp",
         "tp-cp",
         *EXPERT,
+        "expert:dp:gloo",
         "expert:intra_dp",
+        "expert:intra_dp:gloo",
         "expert:inter_dp",
         "intra_dist_opt_instance",
     ]
+    assert list(exp.unavailable()) == ["dp-cp:ag"]  # create_all_gather_group defaults to False
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -628,7 +634,7 @@ def test_the_two_default_orders_differ_only_outside_tp_cp_ep() -> None:
 
 
 def test_configs_world_8() -> None:
-    cases = list(megatron.configs(8))
+    cases = list(megatron.configs(8, hyper_comm_grid=False))
     assert 100 < len(cases) <= 300
     assert {c["order"] for c in cases} == {"tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"}
     assert len({tuple(sorted(c.items())) for c in cases}) == len(cases)
@@ -662,3 +668,225 @@ def test_registry_and_normalised_config() -> None:
     assert exp.config["order"] == "tp-cp-ep-dp-pp"
     assert exp.config["expert_tensor_parallel_size"] == 2
     assert exp.layout is not None and exp.layout.root_names[-1] == "tp"
+
+
+# -- gloo twins and the all-gather group ---------------------------------------------------------
+
+TWINS = {
+    "dp-cp:gloo": "dp-cp",
+    "intra_dp_cp:gloo": "intra_dp_cp",
+    "dp:gloo": "dp",
+    "expert:dp:gloo": "expert:dp",
+    "expert:intra_dp:gloo": "expert:intra_dp",
+}
+
+
+def test_gloo_twins_hold_the_ranks_of_their_groups_by_default() -> None:
+    """World 8, tp 2, ep 2, two optimizer instances (worked out from parallel_state): dp-cp is
+    (0, 2, 4, 6), (1, 3, 5, 7); an instance takes half of each; expert dp (etp 2 × ep 2 = 4
+    ranks per expert model group) is (0, 4), ...; halved, one rank each."""
+    exp = expect(
+        8,
+        tensor_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        num_distributed_optimizer_instances=2,
+    )
+    assert exp.groups("dp:gloo").to_tuples() == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert exp.groups("intra_dp_cp:gloo").to_tuples() == ((0, 2), (4, 6), (1, 3), (5, 7))
+    assert exp.groups("expert:dp:gloo").to_tuples() == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert sorted(exp.groups("expert:intra_dp:gloo")) == [(r,) for r in range(8)]
+    for twin, base in TWINS.items():
+        assert exp.groups(twin) == exp.groups(base)
+        assert "gloo" in exp.kinds()[twin]  # described by its getter
+    assert exp.config["create_gloo_process_groups"] is True
+
+
+def test_twins_not_made_are_getters_that_assert() -> None:
+    exp = expect(8, tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    assert sorted(exp.unavailable()) == sorted([*TWINS, "dp-cp:ag"])
+    with pytest.raises(LayoutError) as error:
+        exp.groups("dp:gloo")
+    assert error.value.upstream == "AssertionError"
+    assert "create_gloo_process_groups=False" in str(error.value)
+
+
+def test_all_gather_group_is_a_second_dp_cp() -> None:
+    exp = expect(16, context_parallel_size=2, create_all_gather_group=True)
+    assert exp.groups("dp-cp:ag") == exp.groups("dp-cp")
+    assert exp.groups("dp-cp:ag")[0] == tuple(range(16))
+    assert list(exp.kinds())[:3] == ["dp-cp", "dp-cp:ag", "dp-cp:gloo"]
+
+
+@pytest.mark.parametrize("key", ["create_gloo_process_groups", "create_all_gather_group"])
+def test_switches_must_be_booleans(key: str) -> None:
+    with pytest.raises(LayoutError, match=f"{key} must be True or False") as error:
+        expect(8, **{key: 1})
+    assert error.value.upstream is None
+
+
+# -- HyperCommGrid -------------------------------------------------------------------------------
+
+
+def grid(shape: list[int], names: list[str], pgs: list[Any], **extra: Any) -> dict[str, Any]:
+    return {"hyper_comm_grid": {"shape": shape, "dim_names": names, "pgs": pgs, **extra}}
+
+
+def grid_groups(exp: meshsim.Expected) -> dict[str, tuple[tuple[int, ...], ...]]:
+    return {
+        k[len("hyper_comm_grid[") : -1]: exp.groups(k).to_tuples()
+        for k in exp.kinds()
+        if k.startswith("hyper_comm_grid[")
+    }
+
+
+def test_grid_keys_follow_reversed_dim_names_world_8() -> None:
+    """Grid [2, 2, 2] over a, b, c: rank = a + 2b + 4c (a fastest, as the order string). A list
+    is reordered slowest first for the key; groups list ranks ascending."""
+    exp = expect(8, **grid([2, 2, 2], ["a", "b", "c"], [["a", "b"], ["c", "a"], "b", ["c"]]))
+    assert grid_groups(exp) == {
+        "b-a": ((0, 1, 2, 3), (4, 5, 6, 7)),
+        "c-a": ((0, 1, 4, 5), (2, 3, 6, 7)),
+        "b": ((0, 2), (1, 3), (4, 6), (5, 7)),
+        "c": ((0, 4), (1, 5), (2, 6), (3, 7)),
+    }
+    assert "create_pg(['c', 'a'])" in exp.kinds()["hyper_comm_grid[c-a]"]
+    assert exp.kind("hyper_comm_grid[b]").partition
+
+
+def test_grid_with_rank_offset_leaves_the_lower_ranks_out_world_16() -> None:
+    """Grid [2, 4] over tp, dp from rank 8: rank = 8 + tp + 2 dp; ranks 0-7 hold no group."""
+    exp = expect(16, **grid([2, 4], ["tp", "dp"], ["tp", "dp", ["dp", "tp"]], rank_offset=8))
+    assert grid_groups(exp) == {
+        "tp": ((8, 9), (10, 11), (12, 13), (14, 15)),
+        "dp": ((8, 10, 12, 14), (9, 11, 13, 15)),
+        "dp-tp": (tuple(range(8, 16)),),
+    }
+    assert exp.group_of(3, "hyper_comm_grid[tp]") is None
+    assert exp.group_of(13, "hyper_comm_grid[dp]") == (9, 11, 13, 15)
+    assert not exp.kind("hyper_comm_grid[tp]").partition
+    assert exp.config["hyper_comm_grid"]["rank_offset"] == 8
+
+
+def test_grid_docstring_example_equals_parallel_state() -> None:
+    """Upstream's example: HyperCommGrid([2, 3, 4, 5], [tp, cp, pp, dp]) on 120 ranks is said
+    to equal initialize_model_parallel(tp=2, cp=3, pp=4, order="tp-cp-pp-dp"). As written,
+    megatron-core 0.16.1 refuses that call (pp is not last, and the expert dp, 120 / (etp 2 × pp
+    4) = 15, is not the dense dp 5); with etp = tp × cp = 6 it builds, and the groups agree."""
+    config = grid([2, 3, 4, 5], ["tp", "cp", "pp", "dp"], ["dp", ["cp", "dp"], ["tp", "pp"]])
+    sizes = {
+        "tensor_model_parallel_size": 2,
+        "context_parallel_size": 3,
+        "pipeline_model_parallel_size": 4,
+        "order": "tp-cp-pp-dp",
+    }
+    with pytest.raises(LayoutError, match="dense dp = 5 and expert dp = 15") as error:
+        expect(120, **sizes, **config)
+    assert error.value.upstream == "AssertionError"
+    exp = expect(120, **sizes, expert_tensor_parallel_size=6, **config)
+    assert exp.groups("hyper_comm_grid[dp]") == exp.groups("dp")
+    assert exp.groups("hyper_comm_grid[dp-cp]") == exp.groups("dp-cp")
+    assert exp.groups("hyper_comm_grid[pp-tp]") == exp.groups("tp-pp")
+    assert exp.groups("hyper_comm_grid[dp]")[0] == (0, 24, 48, 72, 96)
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_every_grid_config_agrees_with_parallel_state(world: int) -> None:
+    """A grid over (tp, cp, dp, pp) is the order tp-cp-dp-pp: each create_pg naming a megatron
+    token's dims gives that token's groups (key = the dims slowest first)."""
+    tokens = {"dp-cp": "dp-cp", "dp": "dp", "cp": "cp", "pp-tp": "tp-pp", "tp": "tp", "pp": "pp"}
+    tokens |= {"dp-cp-tp": "tp-dp-cp", "dp-tp": "tp-dp", "cp-tp": "tp-cp"}
+    full = [c for c in megatron.grid_configs(world) if "order" in c]
+    assert len(full) == len(list(ordered_factorizations(world, 4)))
+    for config in full:
+        exp = expect(world, **config)
+        assert len(grid_groups(exp)) == 15
+        for key, token in tokens.items():
+            assert exp.groups(f"hyper_comm_grid[{key}]") == exp.groups(token), (config, key)
+        assert exp.groups("hyper_comm_grid[pp-dp-cp-tp]")[0] == tuple(range(world))
+
+
+def test_grid_configs_are_listed_after_the_parallel_state_sweep() -> None:
+    cases = meshsim.layouts(8, "megatron")
+    grids = [c for c in cases if "hyper_comm_grid" in c.config]
+    assert len(grids) == 20 + 3  # 4-dim factorizations of 8, then 2-dim ones of 4 at offset 4
+    assert cases[-len(grids) :] == grids
+    assert grids[-1].id == (
+        "megatron-8-hyper_comm_grid={shape:[4,1],dim_names:[tp,dp],rank_offset:4,"
+        "pgs:[tp,dp,[dp,tp]]}"
+    )
+    assert not [c for c in megatron.configs(8, orders=[DEFAULT]) if "hyper_comm_grid" in c]
+
+
+DEFAULT = megatron.DEFAULT_ORDER
+AB = (["a", "b"], [2, 2])
+
+
+@pytest.mark.parametrize(
+    ("spec", "upstream", "message"),
+    [
+        ({"shape": [2], "dim_names": ["a", "b"]}, "ValueError", "has 1 dims"),
+        ({"shape": [2, 2], "dim_names": AB[0], "rank_offset": -1}, "ValueError", ">= 0"),
+        ({"shape": [4, 4], "dim_names": AB[0]}, "RuntimeError", "holds 16 ranks"),
+        ({"shape": [2, 2], "dim_names": AB[0], "rank_offset": 5}, "RuntimeError", "more than"),
+        ({"shape": [2, 2], "dim_names": AB[0], "pgs": [["a", "c"]]}, "ValueError", "['c']"),
+        ({"shape": [2, 2], "dim_names": AB[0], "pgs": [[]]}, "TypeError", "no dim"),
+        ({"shape": [2, 2], "dim_names": AB[0], "pgs": ["a", ["a"]]}, "KeyError", "already"),
+        ({"shape": [2, 2], "dim_names": AB[0], "pgs": [["b", "a"], ["a", "b"]]}, "KeyError", ""),
+        ({"shape": [2, 2], "dim_names": AB[0], "pgs": ["c"]}, "EinopsError", "names no dim"),
+        ({"shape": [2, 2], "dim_names": AB[0], "pgs": [["a", "a"]]}, "EinopsError", "twice"),
+        ({"shape": [2, 2], "dim_names": ["a", "a"], "pgs": ["a"]}, "EinopsError", "repeat"),
+        ({"shape": [2, 2], "dim_names": ["_a", "b"], "pgs": ["b"]}, "EinopsError", "einops"),
+        ({"shape": [2, 2], "dim_names": ["a-b", "c"], "pgs": ["c"]}, "EinopsError", "einops"),
+    ],
+)
+def test_grid_refusals_name_the_framework_exception(
+    spec: dict[str, Any], upstream: str, message: str
+) -> None:
+    with pytest.raises(LayoutError) as error:
+        expect(8, hyper_comm_grid=spec)
+    assert error.value.upstream == upstream
+    assert message in str(error.value)
+
+
+def test_grid_refusals_wait_for_create_pg() -> None:
+    """Names einops would refuse, and repeated ones, pass until a create_pg enumerates them."""
+    exp = expect(8, hyper_comm_grid={"shape": [2, 4], "dim_names": ["_x", "_x"]})
+    assert not [k for k in exp.kinds() if k.startswith("hyper_comm_grid")]
+    # A stored key is refused before einops looks at the dims.
+    with pytest.raises(LayoutError) as error:
+        expect(8, **grid([2, 4], ["cp", "tp"], [["cp", "tp"], "tp-cp"]))
+    assert error.value.upstream == "KeyError"
+
+
+def test_parallel_state_refusals_come_before_the_grid() -> None:
+    with pytest.raises(LayoutError) as error:
+        expect(8, tensor_model_parallel_size=3, hyper_comm_grid={"shape": [9], "dim_names": ["a"]})
+    assert error.value.upstream == "RuntimeError" and "divisible" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [2, 4],
+        {"shape": [2, 4]},
+        {"shape": [2, 4], "dim_names": ["a", "b"], "pg": ["a"]},
+        {"shape": [0, 4], "dim_names": ["a", "b"]},
+        {"shape": [2.0, 4], "dim_names": ["a", "b"]},
+        {"shape": "24", "dim_names": ["a", "b"]},
+        {"shape": [2, 4], "dim_names": ["a", 1]},
+        {"shape": [2, 4], "dim_names": ["a", "b"], "pgs": [["a", 1]]},
+        {"shape": [2, 4], "dim_names": ["a", "b"], "rank_offset": True},
+    ],
+)
+def test_grid_config_errors_are_meshsims_own(spec: Any) -> None:
+    with pytest.raises(LayoutError, match="hyper_comm_grid") as error:
+        expect(8, hyper_comm_grid=spec)
+    assert error.value.upstream is None
+
+
+def test_grid_pgs_from_the_command_line_are_tuples() -> None:
+    """``--hyper-comm-grid '{...}'`` parses JSON lists as tuples: the same calls as lists."""
+    as_lists = expect(8, **grid([2, 4], ["tp", "dp"], [["dp", "tp"]]))
+    as_tuples = expect(8, hyper_comm_grid={"shape": (2, 4), "dim_names": ("tp", "dp"),
+                                           "pgs": (("dp", "tp"),)})  # fmt: skip
+    assert grid_groups(as_lists) == grid_groups(as_tuples) == {"dp-tp": (tuple(range(8)),)}

@@ -119,6 +119,14 @@ def validate(
     return Sizes(tp, pp, cp, ep, etp, dp, edp, instances), decoder, expert
 
 
+def flag(config: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A boolean switch (megatron takes any truthy value; meshsim wants True or False)."""
+    value = config.get(key, default)
+    if not isinstance(value, (bool, np.bool_)):
+        raise LayoutError(f"{key} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def _is_degree(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 1)
 

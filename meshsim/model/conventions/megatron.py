@@ -9,6 +9,12 @@ Two ``RankGenerator`` grids share one order string (default ``tp-cp-ep-dp-pp``, 
   ``expert:tp-ep``, ``expert:tp-ep-pp`` and ``expert:dp``.
 
 Partial distributed optimizer, hierarchical CP and hybrid DP×CP add kinds when configured.
+``create_gloo_process_groups`` (megatron's default: True) adds the gloo twins ``dp-cp:gloo``,
+``intra_dp_cp:gloo``, ``dp:gloo``, ``expert:dp:gloo`` and ``expert:intra_dp:gloo`` (same ranks as
+the group they twin; their getters assert when the twins were not made), and
+``create_all_gather_group`` adds ``dp-cp:ag``. ``hyper_comm_grid`` describes a
+``HyperCommGrid`` built beside ``parallel_state`` and its ``create_pg`` calls (kinds
+``hyper_comm_grid[KEY]``, see :mod:`._megatron_grid`).
 Config checks follow upstream's order, each as a :class:`LayoutError` naming the exception
 megatron-core raises. (The experimental ``gtp_remat`` axes are size 1 by default and not modelled.)
 """
@@ -24,7 +30,8 @@ import numpy as np
 
 from meshsim.errors import LayoutError
 from meshsim.model.conventions import reject_unknown
-from meshsim.model.conventions._megatron_config import Sizes, validate
+from meshsim.model.conventions._megatron_config import Sizes, flag, validate
+from meshsim.model.conventions._megatron_grid import grid_kinds, parse_spec
 from meshsim.model.conventions._megatron_ranks import (
     IntArray,
     RankGenerator,
@@ -45,6 +52,7 @@ __all__ = [
     "configs",
     "expect",
     "generate_masked_orthogonal_rank_groups",
+    "grid_configs",
     "pipeline_ranks",
 ]
 
@@ -63,6 +71,11 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "order": f"rank order, fastest axis first (default {DEFAULT_ORDER!r})",
     "get_embedding_ranks": "callable: pp group ranks -> ranks holding the word embedding",
     "get_position_embedding_ranks": "callable: pp group ranks -> ranks holding position embeddings",
+    "create_gloo_process_groups": "also make the gloo twins of the dp-cp / dp / expert-dp groups "
+    "(default True, as megatron)",
+    "create_all_gather_group": "also make a second dp-cp group for all-gathers (default False)",
+    "hyper_comm_grid": "a HyperCommGrid built beside: "
+    '{"shape": [2, 4], "dim_names": ["tp", "dp"], "pgs": ["tp", ["tp", "dp"]], "rank_offset": 0}',
 }
 
 #: Roles. ``loss`` is dp-cp: megatron's training loop all-reduces the loss sum and token count
@@ -98,6 +111,20 @@ _EXPERT_KINDS: Final[Mapping[str, str]] = {
     "tp-ep-pp": "get_expert_tensor_model_pipeline_parallel_group()",
     "dp": "get_expert_data_parallel_group(): expert DP (absorbs CP and any TP/ETP difference)",
 }
+#: The gloo twins: kind -> (the kind it twins, its getter).
+_GLOO_TWINS: Final[Mapping[str, tuple[str, str]]] = {
+    "dp-cp:gloo": ("dp-cp", "get_data_parallel_group_gloo(with_context_parallel=True)"),
+    "intra_dp_cp:gloo": (
+        "intra_dp_cp",
+        "get_data_parallel_group_gloo(with_context_parallel=True, partial_data_parallel=True)",
+    ),
+    "dp:gloo": ("dp", "get_data_parallel_group_gloo()"),
+    "expert:dp:gloo": ("expert:dp", "get_expert_data_parallel_group_gloo()"),
+    "expert:intra_dp:gloo": (
+        "expert:intra_dp",
+        "get_expert_data_parallel_group_gloo(partial_expert_data_parallel=True)",
+    ),
+}
 
 RanksFn = Callable[[list[int]], Sequence[int]]
 
@@ -113,6 +140,9 @@ def expect(world_size: int, **config: Any) -> Expected:
     sizes, decoder, expert = validate(world_size, config, order)
     hcp: tuple[int, ...] = tuple(config.get("hierarchical_context_parallel_sizes") or ())
     hybrid = bool(config.get("hybrid_context_parallel", False))
+    gloo = flag(config, "create_gloo_process_groups", True)
+    all_gather = flag(config, "create_all_gather_group", False)
+    grid = parse_spec(config["hyper_comm_grid"]) if config.get("hyper_comm_grid") else None
 
     def dense(token: str) -> Kind:
         return layout_kind(decoder.layout, token, _DECODER_KINDS[token], *decoder.dims(token))
@@ -166,6 +196,9 @@ def expect(world_size: int, **config: Any) -> Expected:
         for token, description in _EXPERT_KINDS.items()
     ]
     kinds += _partial_expert_kinds(expert, sizes)
+    kinds = _with_twins(kinds, gloo, all_gather)
+    if grid is not None:  # built after initialize_model_parallel, so checked after it
+        kinds += grid_kinds(world_size, grid)
 
     normal = {
         "tensor_model_parallel_size": sizes.tp,
@@ -178,6 +211,9 @@ def expect(world_size: int, **config: Any) -> Expected:
         "hierarchical_context_parallel_sizes": hcp or None,
         "hybrid_context_parallel": hybrid,
         "order": order,
+        "create_gloo_process_groups": gloo,
+        "create_all_gather_group": all_gather,
+        "hyper_comm_grid": None if grid is None else grid.as_config(),
     }
     return Expected("megatron", world_size, normal, kinds, ROLES, layout=decoder.layout)
 
@@ -186,6 +222,42 @@ def _array_kind(
     name: str, description: str, build: Callable[[], IntArray], partition: bool = True
 ) -> Kind:
     return Kind(name, description, lambda: Groups.from_array(build()), partition=partition)
+
+
+def _with_twins(kinds: list[Kind], gloo: bool, all_gather: bool) -> list[Kind]:
+    """Each kind followed by the groups megatron makes beside it over the same ranks: the gloo
+    twins and the all-gather dp-cp group. Twins not made are kinds whose getter asserts."""
+    out: list[Kind] = []
+    for kind in kinds:
+        out.append(kind)
+        if kind.name == "dp-cp":
+            getter = (
+                "get_data_parallel_group(with_context_parallel=True, independent_all_gather=True)"
+            )
+            out.append(_twin(kind, "dp-cp:ag", getter, all_gather, "create_all_gather_group"))
+        out += [
+            _twin(kind, name, getter, gloo, "create_gloo_process_groups")
+            for name, (base, getter) in _GLOO_TWINS.items()
+            if base == kind.name
+        ]
+    return out
+
+
+def _twin(base: Kind, name: str, getter: str, made: bool, key: str) -> Kind:
+    if not made:
+        error = LayoutError(
+            f"{getter} asserts: {key}=False, so megatron-core made no such group",
+            upstream="AssertionError",
+        )
+        return Kind(name, f"{getter} (not made: {key}=False)", error)
+    return Kind(
+        name,
+        f"{getter}: the ranks of {base.name}, a group of its own",
+        base.groups,
+        partition=base.partition,
+        mesh_dims=base.mesh_dims,
+        mesh_shape=base.mesh_shape,
+    )
 
 
 def _embedding_kinds(decoder: RankGenerator, pp: int, config: Mapping[str, Any]) -> list[Kind]:
@@ -289,6 +361,8 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     Options: ``orders`` (default ``tp-cp-ep-dp-pp`` and ``tp-cp-ep-pp-dp``), ``all_orders=True``
     for all 120 permutations, ``expert=False`` to keep ep = 1 and etp = tp. Configs that
     megatron-core rejects (e.g. a pp-not-last order with unequal dense and expert dp) are skipped.
+    ``hyper_comm_grid=False`` leaves out the :func:`grid_configs` that follow (they are listed
+    only with the default orders).
     """
     if options.get("all_orders"):
         orders: Sequence[str] = [
@@ -318,3 +392,36 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
                 except LayoutError:
                     continue
                 yield config
+    default_orders = "orders" not in options and not options.get("all_orders")
+    if options.get("hyper_comm_grid", True) and default_orders:
+        yield from grid_configs(world_size)
+
+
+def grid_configs(world_size: int) -> Iterator[dict[str, Any]]:
+    """``HyperCommGrid`` configs: every tp×cp×dp×pp grid over the world with a ``create_pg``
+    for each of its 15 dim subsets, beside ``initialize_model_parallel`` of the same sizes (so
+    the grid's groups can be read against parallel_state's); then grids over the upper half of
+    the world (``rank_offset``) with every 2-dim split, beside the default parallel_state.
+
+    Each ``create_pg`` names its dims fastest first (a single dim as a string), so the grid
+    must reorder them into its keys. Example (world 8): the first config is the grid
+    ``[1, 1, 1, 8]`` over ``["tp", "cp", "dp", "pp"]``, whose ``["cp", "pp"]`` call is the kind
+    ``hyper_comm_grid[pp-cp]``.
+    """
+    names = ("tp", "cp", "dp", "pp")
+    subsets = [list(c) for n in range(1, 5) for c in itertools.combinations(names, n)]
+    pgs = [dims[0] if len(dims) == 1 else dims for dims in subsets]
+    for tp, cp, dp, pp in ordered_factorizations(world_size, 4):
+        yield {
+            "tensor_model_parallel_size": tp,
+            "context_parallel_size": cp,
+            "pipeline_model_parallel_size": pp,
+            "order": DEFAULT_ORDER,
+            "hyper_comm_grid": {"shape": [tp, cp, dp, pp], "dim_names": list(names), "pgs": pgs},
+        }
+    half = world_size // 2
+    if world_size % 2:
+        return
+    for tp, dp in ordered_factorizations(half, 2):
+        grid = {"shape": [tp, dp], "dim_names": ["tp", "dp"], "rank_offset": half}
+        yield {"hyper_comm_grid": {**grid, "pgs": ["tp", "dp", ["dp", "tp"]]}}
