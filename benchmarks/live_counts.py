@@ -1,7 +1,8 @@
 """Live counts for the closing note: for every config ``meshsim.layouts(N, fw)`` lists, build it
 with the real framework on gloo, diff every kind, and reproduce the listed rejections.
 
-Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework).
+Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework; also
+``olmo-core`` and ``megatron``, whose refusals are ``megatron.refused_configs(N)``).
 Prints one JSON line: layouts, kinds compared, kinds equal, rejections tried / reproduced, time.
 """
 
@@ -22,6 +23,10 @@ def _refusals(framework: str, world: int) -> list[dict[str, Any]]:
         from meshsim.model.conventions._deepspeed_configs import refused_configs
 
         return list(refused_configs(world))
+    if framework == "megatron":
+        from meshsim.model.conventions.megatron import refused_configs as megatron_refused
+
+        return list(megatron_refused(world))
     from tests.real.test_olmo_core import REFUSED_4
 
     keep = []

@@ -54,6 +54,7 @@ __all__ = [
     "generate_masked_orthogonal_rank_groups",
     "grid_configs",
     "pipeline_ranks",
+    "refused_configs",
 ]
 
 DEFAULT_ORDER: Final = "tp-cp-ep-dp-pp"
@@ -425,3 +426,47 @@ def grid_configs(world_size: int) -> Iterator[dict[str, Any]]:
     for tp, dp in ordered_factorizations(half, 2):
         grid = {"shape": [tp, dp], "dim_names": ["tp", "dp"], "rank_offset": half}
         yield {"hyper_comm_grid": {**grid, "pgs": ["tp", "dp", ["dp", "tp"]]}}
+
+
+def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
+    """Configs megatron-core refuses on ``world_size`` ranks: one per check of
+    ``initialize_model_parallel`` and of ``HyperCommGrid`` that the world allows, for live
+    runs to confirm the refusal and its exception type (each yielded config makes
+    :func:`expect` raise a :class:`LayoutError` naming one)."""
+    w = world_size
+    tp, cp, pp, ep, etp = (
+        "tensor_model_parallel_size",
+        "context_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+    )
+    half = [2, w // 2]
+    candidates: list[dict[str, Any]] = [
+        {tp: w + 1},
+        {"virtual_pipeline_model_parallel_size": 2},
+        {tp: 2, ep: w},
+        {"num_distributed_optimizer_instances": 3},
+        {ep: w // 2, etp: 1, "num_distributed_optimizer_instances": 4},
+        {tp: 2, pp: 2, cp: 2, "order": "tp-cp-pp-ep-dp"},
+        {tp: 2, "order": "dp-pp"},
+        {"order": "tp-xx-dp-pp"},
+        {cp: 2, "hierarchical_context_parallel_sizes": [4]},
+        {tp: w, "hybrid_context_parallel": True},
+        {"hyper_comm_grid": {"shape": [w], "dim_names": ["a", "b"]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["a", "b"], "rank_offset": -1}},
+        {"hyper_comm_grid": {"shape": [2, w], "dim_names": ["a", "b"]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["a", "b"], "pgs": [["a", "c"]]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["a", "b"], "pgs": [[]]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["a", "b"], "pgs": ["b", ["b"]]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["a", "b"], "pgs": ["c"]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["a", "b"], "pgs": [["a", "a"]]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["a", "a"], "pgs": ["a"]}},
+        {"hyper_comm_grid": {"shape": half, "dim_names": ["_a", "b"], "pgs": ["b"]}},
+    ]
+    for config in candidates:
+        try:
+            expect(world_size, **config)
+        except LayoutError as error:
+            if error.upstream:
+                yield config
