@@ -16,6 +16,7 @@ from meshsim.harness import recorder
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.divergence import Comparison, RankSink
+from meshsim.harness.fake_groups import NonMemberFastPath
 from meshsim.harness.isolation import isolated_world, reset_rank_state
 from meshsim.harness.outcome import (
     RankOutcome,
@@ -36,8 +37,10 @@ class FakeBackend:
         comparison = Comparison(job.world_size)
         outcomes: list[RankOutcome] = []
         recorder.install()
+        fast_path = NonMemberFastPath()
         try:
             with isolated_world(job.timeout, what="backend='fake'", per_thread=False):
+                fast_path.install()
                 try:
                     for rank in job.ranks:
                         reset_rank_state()
@@ -48,6 +51,7 @@ class FakeBackend:
                         if outcome.status == "timeout":
                             break
                 finally:
+                    fast_path.uninstall()
                     reset_rank_state()
         finally:
             recorder.uninstall()
