@@ -1,4 +1,7 @@
-"""Compare the fake tier's per-rank call recordings and name the first disagreement.
+"""Compare every rank's call recordings and name the first disagreement.
+
+The fake tier feeds it as ranks run; the threaded and gloo tiers replay their recordings
+into it after a run (``meshsim.harness.live.replay``).
 
 Two rules, mirroring what makes real backends hang:
 
@@ -7,9 +10,11 @@ Two rules, mirroring what makes real backends hang:
 * collectives on a group (and ``use_local_synchronization`` creations) must match in order
   among that group's members; ranks outside the group are not compared.
 
-Point-to-point calls are not compared (a send pairs with a recv). Groups are identified by
-their global ranks. Creations are compared streaming against the first rank, so a 131,072
-rank world that builds thousands of groups per rank does not keep them all in memory.
+Point-to-point calls are not compared rank against rank (a send pairs with a recv): their
+messages are matched per (source, destination, tag) by ``meshsim.harness.p2p``, and the
+earliest mismatch of either check is reported. Groups are identified by their global ranks.
+Creations are compared streaming against the first rank, so a 131,072 rank world that
+builds thousands of groups per rank does not keep them all in memory.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshsim.errors import CollectiveDivergence
-from meshsim.harness.outcome import RankOutcome, format_group
+from meshsim.harness import p2p
+from meshsim.harness.outcome import RankOutcome, format_group, rank_label
 from meshsim.harness.recorder import Call, TrackingSink
 
 Step = tuple[int, Call]
@@ -28,7 +34,7 @@ Step = tuple[int, Call]
 class Divergence:
     """The first disagreement between two ranks (``a`` is the reference side)."""
 
-    kind: str  # "creation" | "collective"
+    kind: str  # "creation" | "collective" | "p2p"
     group: tuple[int, ...] | None
     index: int
     rank_a: int
@@ -37,6 +43,7 @@ class Divergence:
     side_b: str
     step_a: int | None
     step_b: int | None
+    what: str = ""  # p2p: the channel, index and problem (the message's middle)
 
     def first_step(self) -> int:
         steps = [s for s in (self.step_a, self.step_b) if s is not None]
@@ -55,6 +62,7 @@ class RankSink(TrackingSink):
         self.rank = rank
         self.step = 0
         self.calls: list[Step] = []
+        self.p2p: list[Step] = []
         self._comparison = comparison
 
     def enter(self, call: Call) -> None:
@@ -62,6 +70,7 @@ class RankSink(TrackingSink):
         step = self.step
         self.step += 1
         if call.kind == "p2p":
+            self.p2p.append((step, call))
             return
         if call.kind == "create" and not call.local:
             self._comparison.creation(self.rank, step, call)
@@ -78,6 +87,7 @@ class Comparison:
         self.world_size = world_size
         self.order: list[int] = []
         self.calls: dict[int, list[Step]] = {}
+        self.p2p: dict[int, list[Step]] = {}
         self.last_step: dict[int, int] = {}
         self._ref_rank: int | None = None
         self._ref: list[Step] = []
@@ -108,6 +118,7 @@ class Comparison:
         rank = sink.rank
         self.order.append(rank)
         self.calls[rank] = sink.calls
+        self.p2p[rank] = sink.p2p
         self.last_step[rank] = sink.step - 1
         if rank != self._ref_rank and not self._diverged and self._index < len(self._ref):
             self._note_creation(rank, self._index, None)
@@ -129,10 +140,19 @@ class Comparison:
             mine[0] if mine else None,
         )
 
-    def _side(self, rank: int, step: Step | None, verb: str, other_step: int | None) -> str:
+    def _side(
+        self,
+        rank: int,
+        step: Step | None,
+        verb: str,
+        other_step: int | None,
+        sizes: bool = False,
+    ) -> str:
+        """What ``rank`` did at the divergence; ``sizes`` adds the shapes (all that differs)."""
         ws = self.world_size
         if step is not None:
-            return f"rank {rank} {verb} {step[1].describe(ws)} at step {step[0]}"
+            what = step[1].signature(ws) if sizes else step[1].describe(ws)
+            return f"rank {rank} {verb} {what} at step {step[0]}"
         if other_step is not None:
             later = [s for s in self.calls.get(rank, []) if s[0] >= other_step]
             if later:
@@ -181,18 +201,46 @@ class Comparison:
             sb = mine[k] if k < len(mine) else None
             if sa is not None and sb is not None and _key(sa[1]) == _key(sb[1]):
                 continue
+            sizes = sa is not None and sb is not None and sa[1].describe() == sb[1].describe()
             return Divergence(
                 "collective",
                 group,
                 k,
                 a,
                 b,
-                self._side(a, sa, "called", sb[0] if sb else None),
-                self._side(b, sb, "called", sa[0] if sa else None),
+                self._side(a, sa, "called", sb[0] if sb else None, sizes),
+                self._side(b, sb, "called", sa[0] if sa else None, sizes),
                 sa[0] if sa else None,
                 sb[0] if sb else None,
             )
         return None
+
+    def _p2p_divergences(self) -> list[Divergence]:
+        """Point-to-point messages whose send and receive do not pair up (``p2p.mismatches``)."""
+        if not any(self.p2p.values()):
+            return []
+        found = []
+        for m in p2p.mismatches(self.p2p, self.world_size):
+            what, side_send, side_recv = p2p.describe(m, self._absent)
+            found.append(
+                Divergence(
+                    "p2p",
+                    None,
+                    m.index,
+                    m.src if m.src >= 0 else m.dst,  # any-source: the receiver alone
+                    m.dst,
+                    side_send,
+                    side_recv,
+                    m.send.step if m.send else None,
+                    m.recv.step if m.recv else None,
+                    what,
+                )
+            )
+        return found
+
+    def _absent(self, rank: int) -> str:
+        last = self.last_step.get(rank, -1)
+        return "it recorded no calls at all" if last < 0 else f"it returned after step {last}"
 
     def group_creations(self) -> list[Call]:
         """The first rank's world-synchronised creations (every rank's, when none diverged)."""
@@ -204,23 +252,32 @@ class Comparison:
 
     def divergence(self, outcomes: Sequence[RankOutcome]) -> CollectiveDivergence | None:
         """The earliest divergence as an exception, or ``None`` when all ranks agree."""
-        candidates = self._group_divergences()
+        candidates = self._group_divergences() + self._p2p_divergences()
         if self.creation_divergence is not None:
             candidates.append(self.creation_divergence)
         if not candidates:
             return None
         div = min(candidates, key=lambda d: (d.first_step(), d.kind != "creation"))
+        hang = "on a real backend these ranks would hang here"
         if div.kind == "creation":
             what = f"the world-synchronised group creations at index {div.index}"
+        elif div.kind == "p2p":
+            what = div.what
+            hang = "on a real backend this hangs, crashes or delivers wrong data"
         else:
             where = format_group(div.group, self.world_size)
             what = f"their calls on {where} at index {div.index} of that group's sequence"
+        head = "point-to-point mismatch" if div.kind == "p2p" else "collective divergence"
+        who = (
+            f"ranks {div.rank_a} and {div.rank_b}"
+            if div.rank_a != div.rank_b
+            else rank_label((div.rank_a,))
+        )
         message = (
-            f"collective divergence: ranks {div.rank_a} and {div.rank_b} disagree on {what}; "
-            f"on a real backend these ranks would hang here.\n"
-            f"  {div.side_a};\n  {div.side_b}.\n"
+            f"{head}: {who} disagree on {what}; "
+            f"{hang}.\n  {div.side_a};\n  {div.side_b}.\n"
             "Steps are 0-based positions in each rank's sequence of recorded calls "
-            "(group creations and collectives)."
+            "(group creations, collectives and point-to-point calls)."
         )
         return CollectiveDivergence(
             message,

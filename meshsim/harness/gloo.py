@@ -5,7 +5,10 @@ or signal, plus its last output), gives the others ``FAILURE_GRACE_S`` to finish
 failure, and at the deadline asks every live rank for its Python stack (``SIGUSR1`` ->
 ``faulthandler``) and reads which collective it is in (``recorder.FileSink``) before killing
 it. A rank that dies *after* its result arrived is a teardown problem, not a body failure:
-the values are returned and a ``TeardownWarning`` is issued.
+the values are returned and a ``TeardownWarning`` is issued. After a run in which every rank
+returned, the ranks' recorded calls are compared as on the fake tier (``live.replay``):
+collectives, group creations and point-to-point pairs; a mismatch raises
+``CollectiveDivergence``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from meshsim.errors import MeshsimError, TeardownWarning
 from meshsim.harness import pickling, recorder, rendezvous
 from meshsim.harness.backend import Job
+from meshsim.harness.live import replay
 from meshsim.harness.outcome import (
     RankOutcome,
     RunResult,
@@ -148,6 +152,9 @@ class ProcessBackend:
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure
+        divergence = self._compare(job, ranks, outcomes)
+        if divergence is not None:
+            raise divergence
         teardown = [o for o in outcomes if o.teardown]
         if teardown:
             warnings.warn(
@@ -161,6 +168,24 @@ class ProcessBackend:
         return RunResult(
             outcomes, backend=self.name, world_size=job.world_size, teardown_failures=teardown
         )
+
+    def _compare(
+        self, job: Job, ranks: list[_Rank], outcomes: list[RankOutcome]
+    ) -> Exception | None:
+        """Compare every rank's recording as the fake tier does, once all ranks returned.
+
+        The backend may have tolerated a mismatch (an ``isend`` nobody received, a short
+        message into a larger buffer, two collectives gloo happens to pair). A world that saw
+        one is not kept: the next job gets a fresh one.
+        """
+        if any(r.result is None or "calls" not in r.result for r in ranks):
+            return None  # a rank died after its result arrived: its recording is incomplete
+        sequences = ((r.rank, r.result["calls"]) for r in ranks)  # type: ignore[index]
+        divergence = replay(job.world_size, sequences).divergence(outcomes)
+        if divergence is not None:
+            for r in ranks:
+                r.kept = False
+        return divergence
 
     def _send_job(self, r: _Rank, spec: dict[str, Any]) -> None:
         try:

@@ -48,7 +48,8 @@ COLLECTIVES = (
     "barrier",
     "monitored_barrier",
 )
-# Point-to-point: recorded for timeout reports, never compared between ranks.
+# Point-to-point: each call's messages (``Call.ops``) are matched send-to-recv after the run
+# (``meshsim.harness.p2p``), not compared like collectives.
 P2P = (
     "send",
     "recv",
@@ -99,7 +100,8 @@ class Call:
     ``kind``: ``collective``, ``p2p`` or ``create``. ``local`` marks a creation that only
     synchronises the new group's members (``use_local_synchronization=True``). ``meta`` is the
     tensor shape and dtype for collectives whose inputs torch requires to match on every rank
-    (``None`` where sizes may legitimately differ: uneven all_to_all, ``*_object``).
+    (``None`` where sizes may legitimately differ: uneven all_to_all, ``*_object``). ``ops``:
+    for a point-to-point call, its messages (one, or one per op of ``batch_isend_irecv``).
     """
 
     kind: str
@@ -108,6 +110,7 @@ class Call:
     detail: str | None = None
     local: bool = False
     meta: str | None = None
+    ops: tuple[Any, ...] = ()
 
     def describe(self, world_size: int | None = None) -> str:
         where = format_group(self.group, world_size)
@@ -184,7 +187,11 @@ def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: d
             return _describe_creation(op, bound)
         group = group_ranks(bound.get("group"))
         detail = None
+        messages: tuple[Any, ...] = ()
         if kind == "p2p":
+            from meshsim.harness.p2p import peer_ops
+
+            messages = peer_ops(op, bound)
             peer = next(
                 (
                     bound[k]
@@ -201,7 +208,7 @@ def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: d
                 detail = "to" if op in ("send", "isend", "send_object_list") else "from"
                 detail += f" rank {peer}"
         meta = _tensor_meta(bound.get(SHAPED[op])) if op in SHAPED else None
-        return Call(kind, op, group, detail, meta=meta)
+        return Call(kind, op, group, detail, meta=meta, ops=messages)
     except Exception as exc:  # describing must never break the call itself
         return Call(kind, op, None, f"group unknown: {type(exc).__name__}")
 

@@ -1,6 +1,7 @@
 """The threaded tier: one thread per rank on torch's in-process ``"threaded"`` backend.
 
-Real collectives with real data, no processes. Rendezvous is a ``HashStore``.
+Real collectives with real data, no processes. Rendezvous is a ``HashStore``. Point-to-point
+calls go through an in-process mailbox (``meshsim.harness.mailbox``).
 
 Shared state. torch's threaded backend keeps the world per thread (``ThreadLocalWorld``) and
 the C++ group registry per thread (thread-isolation mode); both are swapped in only for the
@@ -28,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from meshsim.errors import MeshsimError
-from meshsim.harness import recorder
+from meshsim.harness import mailbox, recorder
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world, threaded_pg_module
@@ -198,12 +199,14 @@ class ThreadedBackend:
 
         _wait_for_survivors(job.timeout)
         plg = threaded_pg_module().ProcessLocalGroup
+        mailbox.install(plg)  # point-to-point, which torch's threaded backend lacks
         recorder.install()
         survivors: tuple[int, ...] = ()
         timed_out = False
         try:
             with isolated_world(job.timeout, what="backend='threaded'"):
                 plg.reset()
+                mailbox.reset()
                 run = _Run(job, plg, dist.HashStore())
                 deadline = time.monotonic() + job.timeout
                 try:
@@ -214,6 +217,7 @@ class ThreadedBackend:
                     survivors = run.stop("timeout" if timed_out else "aborted")
                 finally:
                     plg.reset()
+                    mailbox.reset()
         finally:
             recorder.uninstall()
         outcomes = [r.outcome or RankOutcome(r.rank, status="aborted") for r in run.ranks]

@@ -1,7 +1,8 @@
 """The code inside a pool worker process: boot once with torch imported, then run ranks.
 
 Protocol (pickled tuples over a socketpair): worker -> ``("ready", pid)``; parent ->
-``("job", spec)``; worker -> ``("result", outcome)`` as soon as the body returned, then
+``("job", spec)``; worker -> ``("result", outcome)`` as soon as the body returned (with the
+rank's recorded calls when it returned normally), then
 ``("done", problems)`` after teardown. An empty ``problems`` list means the worker is clean
 and may take the next job; otherwise it exits and the parent replaces it. Parent ->
 ``("exit",)`` ends the worker.
@@ -81,15 +82,22 @@ def _torch_bindings() -> dict[tuple[str, str], int]:
 
 
 class _JobSink(recorder.FileSink):
-    """The job's ``FileSink`` that also counts point-to-point calls (they forbid keeping)."""
+    """The job's ``FileSink``, which also keeps the rank's calls and counts point-to-point ones.
+
+    The calls go back with the result, so the parent can compare every rank's recording as
+    the fake tier does (gloo tolerates some mismatches); a point-to-point call forbids
+    keeping the world.
+    """
 
     def __init__(self, fd: int, world_size: int) -> None:
         super().__init__(fd, world_size)
         self.p2p = 0
+        self.calls: list[recorder.Call] = []
 
     def enter(self, call: recorder.Call) -> None:
         if call.kind == "p2p":
             self.p2p += 1
+        self.calls.append(call)
         super().enter(call)
 
 
@@ -199,6 +207,8 @@ class Worker:
         try:
             store = self.job_store(spec)
             outcome = self.run_body(spec, store, sink)
+            if outcome["status"] == "ok":
+                outcome["calls"] = sink.calls
             self.send("result", outcome)
             problems, kept = self.teardown(store, spec, outcome, sink, deadline)
         finally:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from meshsim.errors import RankFailure
+from meshsim.errors import CollectiveDivergence, RankFailure
 from meshsim.harness import run
 from meshsim.harness.pool import pool_pids
 
@@ -74,7 +74,8 @@ def recv_from_zero() -> tuple[float, tuple[int, int]]:
 
 def test_point_to_point_traffic_drops_the_world() -> None:
     run(world_age, 2, "gloo", timeout=60)
-    run(unmatched_send, 2, "gloo", timeout=60)
+    with pytest.raises(CollectiveDivergence, match="never received"):  # gloo let it vanish
+        run(unmatched_send, 2, "gloo", timeout=60)
     warm = set(pool_pids())
     after = run(recv_from_zero, 2, "gloo", timeout=60)
     assert after[1][0] == 7.0  # not the 99.0 the previous job left unreceived
