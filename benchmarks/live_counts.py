@@ -2,7 +2,8 @@
 with the real framework on gloo, diff every kind, and reproduce the listed rejections.
 
 Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework; also
-``olmo-core`` and ``megatron``, whose refusals are ``megatron.refused_configs(N)``).
+``olmo-core`` and ``megatron``, whose refusals are ``megatron.refused_configs(N)``). A fourth
+argument keeps only the layouts whose id contains it: ``megatron 16 gloo hyper_comm_grid``.
 Prints one JSON line: layouts, kinds compared, kinds equal, rejections tried / reproduced, time.
 """
 
@@ -38,13 +39,16 @@ def _refusals(framework: str, world: int) -> list[dict[str, Any]]:
     return keep
 
 
-def main(framework: str, world: int, backend: str = "gloo") -> dict[str, Any]:
+def main(framework: str, world: int, backend: str = "gloo", match: str = "") -> dict[str, Any]:
+    """Counts over the layouts whose id contains ``match`` (all by default); every refusal."""
     from tests.real._helpers import adapter, real_outcomes
 
     start = time.perf_counter()
     compared = equal = layouts = 0
     mismatched: list[str] = []
     for case in meshsim.layouts(world, framework):
+        if match not in case.id:
+            continue
         layouts += 1
         expected = meshsim.expect(framework, world, **case.config)
         names = set(expected.kinds()) | set(expected.unavailable())
@@ -85,6 +89,7 @@ def main(framework: str, world: int, backend: str = "gloo") -> dict[str, Any]:
         "framework": framework,
         "world": world,
         "backend": backend,
+        "match": match,
         "layouts": layouts,
         "kinds_compared": compared,
         "kinds_equal": equal,
