@@ -128,9 +128,9 @@ def run(
     after; inside ``fn`` use ``torch.distributed.get_rank()`` or
     ``meshsim.harness.context()``. Returns a ``RunResult`` (a ``list``, index = rank, or the
     order of ``ranks=`` on the fake tier). Raises ``RankFailure`` when a rank raises or dies,
-    ``RankTimeout`` past ``timeout`` seconds, ``CollectiveDivergence`` (fake tier) when ranks
-    issue mismatched collectives, ``NotEnoughGPUs`` (nccl) and ``UsageError`` for bad
-    arguments.
+    ``RankTimeout`` past ``timeout`` seconds, ``CollectiveDivergence`` (fake, threaded and
+    gloo) when ranks issue mismatched collectives or unmatched point-to-point pairs,
+    ``NotEnoughGPUs`` (nccl) and ``UsageError`` for bad arguments.
 
     backend: ``"fake"`` (one process, metadata only, any world size, ``ranks=`` samples),
     ``"threaded"`` (threads, real collectives), ``"gloo"`` (a warm pool of processes),
