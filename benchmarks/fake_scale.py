@@ -5,9 +5,11 @@
   ``assert_layout`` against the reference. Target: under 2 s.
 * world 131,072, a sample of 64 ranks (``ranks=``), mesh (32, 64, 64), same body and check.
 
-Beside each, the floor: the same body in a bare loop (``init_process_group("fake")`` per rank,
-body, destroy) with none of meshsim's harness (no call recording, no divergence check, no
-isolated world). The difference is what meshsim's fake tier adds.
+Beside each: the same run with the fake tier's non-member fast path off
+(``meshsim.harness.fake_groups``, ``MESHSIM_FAKE_FASTPATH=0``: torch's own ``new_group`` for
+every group, as before issue 11), and the floor: the same body in a bare loop
+(``init_process_group("fake")`` per rank, body, destroy) with none of meshsim's harness (no
+call recording, no divergence check, no isolated world): the difference is what the harness adds.
 
 Why it costs what it costs: on CPU, torch's DeviceMesh creates every group of every dim on every
 rank with ``new_group`` (``split_group`` needs an accelerator), so one rank makes
@@ -30,7 +32,7 @@ in the harness would save, by monkeypatching (nothing in meshsim/ is edited):
   instead of one per group (otherwise the divergence check would see each rank create a
   different group); ``assert_layout`` still checks every rank's view.
 
-    python benchmarks/fake_scale.py [--quick] [--what-if] [--json out.json]
+    python benchmarks/fake_scale.py [--quick] [--what-if] [--worlds 1024] [--json out.json]
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ def _expected(world: int, shape: tuple[int, ...]) -> Any:
     return meshsim.expect(
         "torch", world, mesh_shape=shape, mesh_dim_names=NAMES, ops=["flatten dp,tp"]
     )
+
+
+def meshsim_fake_slow(world: int, shape: tuple[int, ...], ranks: list[int] | None) -> None:
+    """``meshsim_fake`` with the non-member fast path off (the fake tier before issue 11)."""
+    from meshsim.harness import fake_groups
+
+    fake_groups.ENABLED = False
+    try:
+        meshsim_fake(world, shape, ranks)
+    finally:
+        fake_groups.ENABLED = True
 
 
 def bare_torch(world: int, shape: tuple[int, ...], ranks: list[int] | None) -> None:
@@ -279,7 +292,7 @@ def what_if(rounds: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- driver
 
 
-def run(quick: bool, with_what_if: bool) -> dict[str, Any]:
+def run(quick: bool, with_what_if: bool, worlds: tuple[int, ...] = tuple(CASES)) -> dict[str, Any]:
     import torch  # noqa: F401 - imported once, outside the timings
 
     # Warm-up on a small world: first-use imports (fake PG, DeviceMesh internals) stay out of
@@ -288,10 +301,13 @@ def run(quick: bool, with_what_if: bool) -> dict[str, Any]:
     bare_torch(8, (2, 2, 2), None)
     rows = []
     for world, shape in CASES.items():
+        if world not in worlds:
+            continue
         ranks = sample_ranks(world, 64) if world > 1024 else None
         rounds = (3 if quick else 5) if world <= 1024 else (2 if quick else 3)
         variants = {
             "meshsim": functools.partial(meshsim_fake, world, shape, ranks),
+            "meshsim_slow": functools.partial(meshsim_fake_slow, world, shape, ranks),
             "bare_torch": functools.partial(bare_torch, world, shape, ranks),
         }
         row = {
@@ -315,16 +331,22 @@ def render(result: dict[str, Any]) -> str:
         "ranks run",
         "meshsim fake: wall (CPU)",
         "per rank",
+        "fast path off (before): wall (CPU)",
         "bare torch loop: wall (CPU)",
         "meshsim ÷ bare (CPU)",
     ]
     body = []
     for r in result["rows"]:
-        m, b = r["meshsim"], r["bare_torch"]
+        m, b, slow = r["meshsim"], r["bare_torch"], r.get("meshsim_slow", {})
         if "median_s" not in m or "median_s" not in b:
             errors = [m.get("error", ""), b.get("error", "")]
-            body.append([str(r["world_size"]), "", "", errors[0], "", errors[1], ""])
+            body.append([str(r["world_size"]), "", "", errors[0], "", "", errors[1], ""])
             continue
+        before = (
+            f"{fmt_s(slow['median_s'])} ({fmt_s(slow['cpu_median_s'])})"
+            if "median_s" in slow
+            else slow.get("error", "n/a")
+        )
         body.append(
             [
                 f"{r['world_size']:,}",
@@ -332,6 +354,7 @@ def render(result: dict[str, Any]) -> str:
                 f"{r['ranks_run']:,}",
                 f"{fmt_s(m['median_s'])} ({fmt_s(m['cpu_median_s'])})",
                 fmt_s(m["median_s"] / r["ranks_run"]),
+                before,
                 f"{fmt_s(b['median_s'])} ({fmt_s(b['cpu_median_s'])})",
                 fmt_ratio(m["cpu_median_s"] / b["cpu_median_s"]),
             ]
@@ -345,7 +368,9 @@ def render(result: dict[str, Any]) -> str:
             f"{fmt_s(result['target_s'])}: {verdict} (median wall {fmt_s(first['median_s'])}, "
             f"CPU {fmt_s(first['cpu_median_s'])}). torch's DeviceMesh makes every group of every "
             "dim on every rank with `new_group` on CPU: 328 calls per rank, 335,872 in all at "
-            "world 1,024."
+            "world 1,024; the fast path makes only the rank's own group per dim and does the "
+            "rest in one step. Load average (1 min) at the start: "
+            f"{result['rows'][0]['load_average'][0]:.1f}."
         )
     wi = result.get("what_if")
     if wi:
@@ -376,9 +401,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--what-if", action="store_true", help="also measure the fixes")
     parser.add_argument("--json")
+    parser.add_argument("--worlds", default=",".join(map(str, CASES)), help="subset of 1024,131072")
     args = parser.parse_args()
     start = time.perf_counter()
-    result = run(args.quick, args.what_if)
+    result = run(args.quick, args.what_if, tuple(int(w) for w in args.worlds.split(",")))
     result["seconds"] = time.perf_counter() - start
     print(render(result))
     print(f"\n({fmt_s(result['seconds'])})")

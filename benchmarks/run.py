@@ -1,7 +1,8 @@
 """meshsim benchmarks, side by side with the tools people use today: one entry point.
 
     python benchmarks/run.py [--quick] [--json out.json] [--markdown out.md]
-                             [--only per_test,scaling,fake_scale,sweep,memory] [--what-if]
+                             [--only per_test,scaling,fake_scale,sweep,memory,pool_boot]
+                             [--what-if]
 
 Sections (each runs in its own fresh process, so a gloo pool, a threaded world or a peak RSS
 never leaks from one into the next):
@@ -14,6 +15,8 @@ never leaks from one into the next):
                   at world 131,072 (fake_scale.py; ``--what-if`` adds the measured fixes)
 4. ``sweep``      layouts verified per second per tier at world 8 and 16 (sweep_throughput.py)
 5. ``memory``     peak RSS of the harness parent and of each worker at world 8 and 64 (memory.py)
+6. ``pool_boot``  gloo pool boot at world 8 and 16: workers forked from a template that imported
+                  torch once vs a fresh interpreter per worker (pool_boot.py)
 
 It prints markdown (machine, command, one table per section) and writes every number, with
 its samples and the load average, to ``--json``. Not part of the test suite (pytest collects
@@ -45,6 +48,7 @@ SECTIONS = {
     "fake_scale": ("fake_scale", "3. Fake tier at scale"),
     "sweep": ("sweep_throughput", "4. Sweep throughput"),
     "memory": ("memory", "5. Memory"),
+    "pool_boot": ("pool_boot", "6. gloo pool boot"),
 }
 
 

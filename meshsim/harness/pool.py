@@ -1,8 +1,12 @@
 """The warm pool of worker processes (torch already imported) shared by the gloo/nccl tiers.
 
-Workers are fresh interpreters (``python -c``, not fork: the caller may hold torch threads)
-started in their own session, talking over a socketpair (no TCP). They boot in parallel and
-in the background; a run waits only for the workers it needs. A worker is reused only if it
+Workers are never forked from the caller (it may hold torch threads or CUDA). By default they
+are forked from a *template*: one fresh interpreter (``python -c``, its own session) that
+imports torch once, runs nothing, and forks a worker per request; importing torch is most of a
+worker's boot, so N workers cost one import instead of N (``MESHSIM_POOL_BOOT=spawn``: one
+fresh interpreter per worker, as before). Workers run in their own session and talk to the
+parent over a socketpair (no TCP). They boot in parallel and in the background; a run waits
+only for the workers it needs. A worker is reused only if it
 reported a clean state after its job; a worker that died, was killed or leaked state is
 replaced at once so the pool stays warm. One pool per process (a forked child or a
 pytest-xdist worker gets its own); ``shutdown()`` and interpreter exit stop it and remove its
@@ -17,12 +21,15 @@ import contextlib
 import json
 import os
 import pickle
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from meshsim.errors import MeshsimError
@@ -34,39 +41,59 @@ BOOT_TIMEOUT_S = float(os.environ.get("MESHSIM_BOOT_TIMEOUT") or 120)
 #: Idle workers kept between runs (env ``MESHSIM_POOL_SIZE``).
 POOL_SIZE = int(os.environ.get("MESHSIM_POOL_SIZE") or 8)
 
+#: How workers start (env ``MESHSIM_POOL_BOOT``): ``template`` forks them from one process
+#: that imported torch once; ``spawn`` starts a fresh interpreter per worker.
+BOOT_MODE = os.environ.get("MESHSIM_POOL_BOOT") or "template"
+
 _BOOT = (
     "import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
     "from meshsim.harness.worker import main; main(int(sys.argv[1]))"
 )
+_TEMPLATE_BOOT = (
+    "import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
+    "from meshsim.harness.pool import template_main; template_main(int(sys.argv[1]))"
+)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def _popen(code: str, fd: int, log_path: str) -> subprocess.Popen:
+    """A fresh interpreter in its own session running ``code`` with ``fd``, output to a log."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, str(fd), json.dumps([_PACKAGE_ROOT])],
+            pass_fds=[fd],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
 
 
 class Worker:
     """One worker process as the parent sees it."""
 
-    def __init__(self, pool_dir: str, index: int) -> None:
+    def __init__(self, pool_dir: str, index: int, template: Template | None = None) -> None:
         from multiprocess.connection import Connection
 
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.log_path = os.path.join(pool_dir, f"worker-{index}.log")
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(child_sock.fileno()), json.dumps([package_root])],
-                pass_fds=[child_sock.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
+        self.proc: Any
+        if template is None:
+            self.proc = _popen(_BOOT, child_sock.fileno(), self.log_path)
+        else:
+            self.proc = template.fork(child_sock, self.log_path)
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
-        self.pid = self.proc.pid
+        self.template = template
         self.ready = False
         self.log_offset = 0
         #: The kept world process group this worker holds: (world id, key), or None.
         self.world: tuple[int, tuple] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def send(self, *msg: Any) -> None:
         self.conn.send_bytes(pickle.dumps(msg))
@@ -109,15 +136,227 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the worker and anything it started (its session), then reap it."""
-        if self.proc.returncode is None:
+        if self.proc.poll() is None and self.proc.pid > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signal.SIGKILL)  # forked, not yet its own session leader
             with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state)
                 self.proc.wait(10)
         self.conn.close()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+
+class _ForkedProc:
+    """A worker forked by the template, with the part of ``subprocess.Popen`` the pool uses.
+
+    The template is its parent and reaps it; it writes the exit code (negative: the signal) to
+    ``status_path``. The pid arrives from the template once it has forked (``pid`` waits).
+    """
+
+    def __init__(self, template: Template, status_path: str) -> None:
+        self._template = template
+        self._pid: int | None = None
+        self.status_path = status_path
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._pid is None:
+            self._template.settle(self)
+        return self._pid if self._pid is not None else -1
+
+    def poll(self) -> int | None:
+        """The exit code once known: from the template's file, or read off the zombie.
+
+        A worker that exited is a zombie until the template reaps it; its wait status is in
+        ``/proc/<pid>/stat``, so the answer does not wait for the template to be scheduled.
+        """
+        if self.returncode is None:
+            self.returncode = self._read_status()
+        if self.returncode is None and self.pid > 0 and _zombie_status(self.pid) is not None:
+            self.returncode = _zombie_status(self.pid)
+        if self.returncode is None and (self.pid < 0 or not _exists(self.pid)):
+            time.sleep(0.05)  # reaped a moment ago: the template writes the file next
+            self.returncode = self._read_status()
+            if self.returncode is None:  # never forked, or its reaper (the template) died
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def _read_status(self) -> int | None:
+        try:
+            with open(self.status_path) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"meshsim worker {self._pid}", timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _zombie_status(pid: int) -> int | None:
+    """The exit code of ``pid`` if it is a zombie (``exit_code``, field 52 of its stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Template:
+    """The process that imported torch once and forks the pool's workers (see the module doc).
+
+    Requests go over a ``SOCK_SEQPACKET`` socketpair, each carrying the worker's end of its
+    socketpair; the template answers each with the new worker's pid, in request order. It
+    starts in the background: requests queue until it has imported torch.
+    """
+
+    def __init__(self, pool_dir: str) -> None:
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log_path = os.path.join(pool_dir, "template.log")
+        self.dir = pool_dir
+        self.proc = _popen(_TEMPLATE_BOOT, child_sock.fileno(), self.log_path)
+        child_sock.close()
+        self.sock = parent_sock
+        self.pending: deque[_ForkedProc] = deque()
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def fork(self, worker_sock: socket.socket, log_path: str) -> _ForkedProc:
+        """Ask for a worker serving ``worker_sock``; its pid is read later (``settle``)."""
+        with self.lock:
+            self.count += 1
+            proc = _ForkedProc(self, os.path.join(self.dir, f"status-{self.count}"))
+            request = json.dumps({"log": log_path, "status": proc.status_path}).encode()
+            try:
+                socket.send_fds(self.sock, [request], [worker_sock.fileno()])
+            except OSError:
+                proc._pid = -1  # the template is gone: the worker never starts (EOF at boot)
+                return proc
+            self.pending.append(proc)
+            return proc
+
+    def settle(self, proc: _ForkedProc) -> None:
+        """Read the template's answers up to ``proc``'s pid (waiting for it to fork)."""
+        with self.lock:
+            while proc._pid is None and self.pending:
+                first = self.pending[0]
+                ready, _, _ = select.select([self.sock], [], [], BOOT_TIMEOUT_S)
+                data = self.sock.recv(16) if ready else b""
+                self.pending.popleft()
+                first._pid = struct.unpack("!i", data)[0] if len(data) == 4 else -1
+            if proc._pid is None:
+                proc._pid = -1
+
+    def close(self) -> None:
+        """End the template (its workers are the pool's business) and reap it."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def template_main(fd: int) -> None:
+    """Entry point of the template process: import torch once, then fork workers on request.
+
+    Nothing runs here but imports: no torch op, no process group, no thread of ours, so a
+    fork starts from the state a fresh interpreter has after ``import torch``.
+    """
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import dill  # noqa: F401
+    import torch
+    import torch.distributed
+    import torch.distributed._functional_collectives
+    import torch.distributed.device_mesh  # noqa: F401
+
+    import meshsim.harness.worker  # noqa: F401
+
+    parent = os.getppid()
+    children: dict[int, str] = {}
+    wake_r, wake_w = socket.socketpair()  # SIGCHLD wakes the loop: exits are reported at once
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    while os.getppid() == parent:
+        ready, _, _ = select.select([sock, wake_r], [], [], 0.5)
+        with contextlib.suppress(OSError):
+            wake_r.recv(4096)
+        _reap(children)
+        if sock not in ready:
+            continue
+        try:
+            request, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        except OSError:
+            break
+        if not request:
+            break  # the pool closed the socket
+        spec = json.loads(request)
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            wake_r.close()
+            wake_w.close()
+            _forked_worker(sock, fds[0], spec["log"])
+        os.close(fds[0])
+        children[pid] = spec["status"]
+        with contextlib.suppress(OSError):
+            sock.send(struct.pack("!i", pid))
+    os._exit(0)
+
+
+def _forked_worker(template_sock: socket.socket, fd: int, log_path: str) -> None:
+    """In the fork: own session, output to the worker's log, then the worker's main loop."""
+    from meshsim.harness.worker import main
+
+    template_sock.close()
+    os.setsid()
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    main(fd)  # ends with os._exit
+
+
+def _reap(children: dict[int, str]) -> None:
+    """Collect exited workers and write each one's exit code where the pool reads it."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = children.pop(pid, None)
+        if path is not None:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".tmp", path)
 
 
 class Pool:
@@ -133,16 +372,31 @@ class Pool:
         self.world_count = 0
         self.job_lock = threading.Lock()
         self.lock = threading.Lock()
+        self.template: Template | None = None
 
     def spawn(self) -> Worker:
         self.count += 1
-        worker = Worker(self.dir, self.count)
+        worker = Worker(self.dir, self.count, self._template())
         self.booting.append(worker)
         return worker
+
+    def _template(self) -> Template | None:
+        """The live template to fork workers from (started on first use), or None (spawn)."""
+        if BOOT_MODE != "template":
+            return None
+        if self.template is not None and self.template.proc.poll() is not None:
+            self.template.close()  # it died: start another
+            self.template = None
+        if self.template is None:
+            self.template = Template(self.dir)
+        return self.template
 
     def _boot_failure(self, worker: Worker) -> MeshsimError:
         worker.log_offset = 0
         output = worker.output(4000)
+        if worker.template is not None and worker.proc.pid < 0:
+            with open(worker.template.log_path, "rb") as f:
+                output += f.read()[-4000:].decode("utf-8", "replace")
         cause = worker.describe_death() if not worker.alive() else "did not report ready"
         worker.kill()
         return MeshsimError(
@@ -244,12 +498,15 @@ class Pool:
                 self.spawn()
 
     def pids(self) -> list[int]:
+        """Pids of the idle and booting workers, and of the template they are forked from."""
         with self.lock:
-            return [w.pid for w in self.idle + self.booting]
+            template = [self.template.proc.pid] if self.template is not None else []
+            return [w.pid for w in self.idle + self.booting] + template
 
     def close(self) -> None:
         with self.lock:
             workers, self.idle, self.booting = self.idle + self.booting, [], []
+            template, self.template = self.template, None
         for worker in workers:
             if worker.ready:
                 with contextlib.suppress(OSError):
@@ -259,6 +516,8 @@ class Pool:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(max(0.0, deadline - time.monotonic()))
             worker.kill()
+        if template is not None:
+            template.close()
         rendezvous.remove_dir(self.dir)
 
 
@@ -289,6 +548,6 @@ def shutdown() -> None:
 
 
 def pool_pids() -> list[int]:
-    """Pids of this process's idle and booting workers (for tests and diagnostics)."""
+    """Pids of this process's idle and booting workers and their template (tests, diagnostics)."""
     pool = _pool
     return pool.pids() if pool is not None and pool.pid == os.getpid() else []
