@@ -12,7 +12,7 @@ import pytest
 from meshsim import expect
 from meshsim.builders.real import EXTRAS, REAL_BUILDERS
 from meshsim.checks import Observation, ObservedLayout, diff
-from meshsim.errors import LayoutError
+from meshsim.errors import CollectiveDivergence, LayoutError
 from meshsim.harness import run
 
 #: Seconds per harness run: the first build on a fresh worker imports the framework (2-8 s).
@@ -80,17 +80,30 @@ def _build_or_refusal(framework: str, world: int, config: Mapping[str, Any]) -> 
     return ("built",)
 
 
-def real_outcomes(framework: str, world: int, config: Mapping[str, Any]) -> list[tuple[str, ...]]:
-    """What each rank's adapter did: built, or refused (with the framework's exception type)."""
-    return list(
-        run(
-            _build_or_refusal,
-            world,
-            backend="gloo",
-            timeout=TIMEOUT,
-            args=(framework, world, config),
+def real_outcomes(
+    framework: str, world: int, config: Mapping[str, Any], *, diverging: bool = False
+) -> list[tuple[str, ...]]:
+    """What each rank's adapter did: built, or refused (with the framework's exception type).
+
+    ``diverging=True``: some ranks refuse while the others go on creating groups. The harness
+    rightly calls that a ``CollectiveDivergence`` (a real job would hang or crash there); every
+    rank still returned, so the per-rank answers are read from the error.
+    """
+    try:
+        return list(
+            run(
+                _build_or_refusal,
+                world,
+                backend="gloo",
+                timeout=TIMEOUT,
+                args=(framework, world, config),
+            )
         )
-    )
+    except CollectiveDivergence as divergence:
+        if not diverging:
+            raise
+        assert all(o.ok for o in divergence.outcomes), divergence
+        return [o.value for o in divergence.outcomes]
 
 
 def assert_refused_alike(framework: str, world: int, config: Mapping[str, Any]) -> str:
