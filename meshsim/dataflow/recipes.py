@@ -138,9 +138,10 @@ def check_dataflow(
 
 def unsupported(framework: str, config: Mapping[str, Any], backend: str) -> str | None:
     """Why torch 2.13 on CPU cannot run this layout's recipe on ``backend`` (None: it can)."""
-    if framework == "olmo-core" and _dp(config) == "ddp" and (config.get("tp") or 1) > 1:
+    if _ddp(framework, config) and (config.get("tp") or 1) > 1:
+        name = "OLMo-core" if framework == "olmo-core" else "torchtitan"
         return (
-            "OLMo-core's DDP over a tensor-parallel model cannot run on torch 2.13: "
+            f"{name}'s DDP over a tensor-parallel model cannot run on torch 2.13: "
             "DistributedDataParallel broadcasts DTensor parameters with c10d.broadcast_, which "
             "has no DTensor sharding strategy (NotImplementedError)"
         )
@@ -155,6 +156,14 @@ def unsupported(framework: str, config: Mapping[str, Any], backend: str) -> str 
 
 def _dp(config: Mapping[str, Any]) -> str:
     return str(getattr(config.get("dp"), "value", config.get("dp")))
+
+
+def _ddp(framework: str, config: Mapping[str, Any]) -> bool:
+    """Does the recipe wrap this layout in DistributedDataParallel (no sharding at all)?"""
+    if framework == "olmo-core":
+        return _dp(config) == "ddp"
+    sharded = (config.get("dp_shard") or 1) != 1 or (config.get("cp") or 1) > 1
+    return (config.get("dp_replicate") or 1) > 1 and not sharded  # torchtitan: replicate only
 
 
 def _hsdp(framework: str, config: Mapping[str, Any]) -> bool:

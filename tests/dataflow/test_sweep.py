@@ -69,6 +69,10 @@ def test_every_world8_layout_passes_on_gloo(case: tuple[str, dict[str, Any]]) ->
 def test_ddp_over_a_tp_model_is_skipped_with_the_reason() -> None:
     with pytest.raises(UsageError, match="no DTensor sharding strategy"):
         check_dataflow("olmo-core", 8, "gloo", dp="ddp", tp=2)
+    # torchtitan replicates without sharding (DDP) when dp_shard and cp are 1
+    ddp_tp = {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 4, "pp": 1, "ep": 1}
+    assert "torchtitan's DDP" in (unsupported("torchtitan", ddp_tp, "gloo") or "")
+    assert unsupported("torchtitan", {**ddp_tp, "cp": 2, "tp": 2}, "gloo") is None  # FSDP2
 
 
 def test_the_sweep_covers_both_conventions_and_hsdp() -> None:
