@@ -314,3 +314,23 @@ def children(pid: int | str = "self") -> list[int]:
     except OSError:
         pass
     return pids
+
+
+def section_main(
+    doc: str | None, run: Callable[[bool], dict[str, Any]], render: Callable[[Any], str]
+) -> None:
+    """The command line every benchmark section shares: ``[--quick] [--json FILE]``."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    result = run(args.quick)
+    result["seconds"] = time.perf_counter() - start
+    print(render(result))
+    print(f"\n({fmt_s(result['seconds'])})")
+    if args.json:
+        dump(args.json, result)

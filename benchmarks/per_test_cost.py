@@ -16,14 +16,21 @@ variants use separate workers and do not break each other's world.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import time
 from typing import Any
 
 import _baselines as base
-from _common import cell, dump, fmt_ratio, fmt_s, interleaved, loadavg, md_table, ratio, sample
+from _common import (
+    cell,
+    fmt_ratio,
+    interleaved,
+    loadavg,
+    md_table,
+    ratio,
+    sample,
+    section_main,
+)
 
 TIERS = ("fake", "threaded", "gloo")
 BASELINES = ("fork", "spawn")
@@ -131,17 +138,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    result = run(args.quick)
-    result["seconds"] = time.perf_counter() - start
-    print(render(result))
-    print(f"\n({fmt_s(result['seconds'])})")
-    if args.json:
-        dump(args.json, result)
+    section_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

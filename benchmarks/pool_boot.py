@@ -11,13 +11,19 @@ its children and the live pool (template and workers, from /proc) are reported.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import time
 from typing import Any
 
-from _common import cell, dump, fmt_ratio, fmt_s, interleaved, loadavg, md_table, ratio
+from _common import (
+    cell,
+    fmt_ratio,
+    interleaved,
+    loadavg,
+    md_table,
+    ratio,
+    section_main,
+)
 
 WORLDS = (8, 16)
 MODES = ("template", "spawn")
@@ -77,17 +83,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    result = run(args.quick)
-    result["seconds"] = time.perf_counter() - start
-    print(render(result))
-    print(f"\n({fmt_s(result['seconds'])})")
-    if args.json:
-        dump(args.json, result)
+    section_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ so the throughput is the steady state of a long sweep; the boot is reported besi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
 
-from _common import dump, fmt_s, loadavg, md_table
+from _common import fmt_s, loadavg, md_table, section_main
 
 TIERS = ("fake", "threaded", "gloo")
 
@@ -105,17 +104,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    result = run(args.quick)
-    result["seconds"] = time.perf_counter() - start
-    print(render(result))
-    print(f"\n({fmt_s(result['seconds'])})")
-    if args.json:
-        dump(args.json, result)
+    section_main(__doc__, run, render)
 
 
 if __name__ == "__main__":
