@@ -322,13 +322,15 @@ def _unzip(modes: Iterable[Mode]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 # -- the bridge to meshsim.Layout ---------------------------------------------------------------
 
 
-def root_modes(layout: Layout) -> tuple[tuple[Mode, ...], Ranks]:
-    """Each root axis's ``(size, stride)`` and the rank map those strides index.
+def root_modes(layout: Layout) -> tuple[tuple[tuple[Mode, ...], ...], Ranks]:
+    """Each root axis's ``(size, stride)`` modes and the rank map those strides index.
 
     A grid that is a strided view of ``0..N-1`` (every ``init_device_mesh`` root and every
-    ``_flatten``/``_unflatten`` chain from one) gets its strides in rank space over the identity
-    rank map, exactly torch's. Any other grid (an explicit ``mesh=`` tensor) is indexed by
-    position, its row-major ravel being the rank map, as ``DeviceMesh(mesh=...)`` stores it.
+    ``_flatten``/``_unflatten`` chain from one) gets its modes in rank space over the identity
+    rank map, exactly torch's; a root axis made by unflattening a non-contiguous flatten keeps
+    several modes (``(2, 2):(4, 1)``), as torch's composed ``_layout`` does. Any other grid (an
+    explicit ``mesh=`` tensor) is indexed by position, its row-major ravel being the rank map,
+    as ``DeviceMesh(mesh=...)`` stores it.
     """
     grid = layout.mesh
     cached = _ROOT_MODES.get(id(grid))
@@ -344,21 +346,51 @@ def root_modes(layout: Layout) -> tuple[tuple[Mode, ...], Ranks]:
 
 #: id(grid) -> (weak ref to the grid, modes, rank map). Grids are read-only and shared by every
 #: view of a root, so the O(world) strided-ness check runs once per root, not once per query.
-_ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[Mode, ...], Ranks]] = {}
+_ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[tuple[Mode, ...], ...], Ranks]] = {}
 
 
-def _derive_root_modes(grid: Ranks) -> tuple[tuple[Mode, ...], Ranks]:
+def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks]:
     shape = tuple(int(s) for s in grid.shape)
-    unit = [tuple(1 if j == i else 0 for j in range(grid.ndim)) for i in range(grid.ndim)]
-    strides = [int(grid[unit[i]]) if shape[i] > 1 else 0 for i in range(grid.ndim)]
-    modes = tuple(zip(shape, strides))
+    axes = []
+    for i in range(grid.ndim):
+        line = grid[tuple(slice(None) if j == i else 0 for j in range(grid.ndim))]
+        axes.append(_axis_modes(line - line[0]))
+    modes = tuple(axes)
     if (
         int(grid.flat[0]) == 0
         and int(grid.max()) == grid.size - 1
-        and np.array_equal(grid.ravel(), _offsets(modes))
+        and np.array_equal(grid.ravel(), _offsets([m for axis in modes for m in axis]))
     ):
         return modes, np.arange(grid.size, dtype=np.int64)
-    return tuple(zip(shape, suffix_strides(shape))), grid.ravel().copy()
+    return tuple(((s, d),) for s, d in zip(shape, suffix_strides(shape))), grid.ravel().copy()
+
+
+def _axis_modes(line: Ranks) -> tuple[Mode, ...]:
+    """The modes (outermost first) that reach ``line``'s offsets, if any do; the caller checks.
+
+    Greedy from the fastest: each mode's stride is the offset one block in, its size the most
+    steps that keep to that stride and still divide the axis. Non-strided lines give modes whose
+    offsets differ from the line, which the caller's whole-grid comparison rejects.
+    """
+    n = len(line)
+    if n == 1:
+        return ((1, 0),)
+    found: list[Mode] = []
+    block = 1
+    while block < n:
+        stride = int(line[block])
+        rest = n // block
+        size = next(
+            b
+            for b in range(rest, 0, -1)
+            if rest % b == 0
+            and np.array_equal(line[: block * b : block], np.arange(b, dtype=np.int64) * stride)
+        )
+        if size == 1:  # no progress: not strided
+            return ((n, stride),)
+        found.append((size, stride))
+        block *= size
+    return tuple(reversed(found))
 
 
 def mesh_layout_of(layout: Layout, dims: Sequence[str | int]) -> MeshLayout:
@@ -367,7 +399,7 @@ def mesh_layout_of(layout: Layout, dims: Sequence[str | int]) -> MeshLayout:
     axes = []
     for dim in dims or layout.dim_names:
         spanned = layout._axes_of(dim)
-        axes.append(FlatLayout(*_unzip(modes[a] for a in spanned)))
+        axes.append(FlatLayout(*_unzip(m for a in spanned for m in modes[a])))
     return MeshLayout(axes)
 
 

@@ -271,13 +271,8 @@ def _splits(n: int) -> list[tuple[int, ...]]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: an unflatten whose new root grid is not strided falls back to suffix "
-    "strides over that grid, so mesh_layout() leaves rank space (torch: (2, 2):(4, 1))",
-)
 def test_unflatten_of_a_non_contiguous_flatten_keeps_torchs_layout() -> None:
-    """Found by hypothesis: the groups are right, the reported ``_layout`` is not torch's."""
+    """Found by hypothesis: the unflattened root axis keeps both modes, as torch's does."""
     flat = meshsim.Layout(pp=2, dp=2, ep=2)["pp", "ep"].flatten(name="flat")
     unflat = flat.unflatten("flat", (4,), ("x",))
     assert unflat.groups("x")[:2] == [[0, 1, 4, 5], [2, 3, 6, 7]]
