@@ -128,12 +128,33 @@ def plan(args: argparse.Namespace, cases: Sequence[LayoutCase]) -> list[tuple[st
     return steps
 
 
-class _Interrupted(Exception):
-    """SIGTERM, turned into an exception so the partial report is still written."""
+class _Interrupted(KeyboardInterrupt):
+    """A second SIGINT or SIGTERM: stop now, wherever the sweep is."""
 
 
-def _raise_interrupted(signum: int, frame: Any) -> None:
-    raise _Interrupted(signal.Signals(signum).name)
+class _StopRequest:
+    """The signal handler for SIGINT and SIGTERM during a sweep.
+
+    The first signal only records itself, and the sweep stops after the result in hand. An
+    exception raised from a handler lands at whatever bytecode runs next: inside torch's
+    pybind11 import code it aborts the process (``terminate called after throwing``), and a
+    bare KeyboardInterrupt escaping code run from a source string makes CPython exit by SIGINT
+    whatever ``main`` returned, so either way the partial reports and the exit code were lost
+    now and then. A second signal still raises at once, for a sweep stuck in one layout.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.name is not None:
+            raise _Interrupted(name)
+        self.name = name
+        sys.stderr.write(f"meshsim sweep: {name}, stopping after the current layouts\n")
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     out = render.console(stderr=to_stdout)
     started = time.perf_counter()
     interrupted: str | None = None
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    stop = _StopRequest()
+    previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
     try:
         with _progress(render.console(stderr=True), started) as progress:
             for tier, indices in steps:
@@ -160,17 +182,18 @@ def run(args: argparse.Namespace) -> int:
                 for index, result in results(chosen, tier, args.timeout, args.jobs):
                     outcomes[indices[index]].results[tier] = result
                     progress.advance(tier, result.passed)
-                    if args.fail_fast and not result.passed:
+                    if stop.name or (args.fail_fast and not result.passed):
                         break
                 progress.finish(tier)
-                if args.fail_fast and any(not o.passed for o in outcomes if o.results):
+                failed = any(not o.passed for o in outcomes if o.results)
+                if stop.name or (args.fail_fast and failed):
                     break
-    except KeyboardInterrupt:
-        interrupted = "SIGINT"
-    except _Interrupted as exc:
-        interrupted = str(exc)
+        interrupted = stop.name
+    except KeyboardInterrupt as exc:  # a second signal, or a SIGINT before the handler was set
+        interrupted = str(exc) if isinstance(exc, _Interrupted) else "SIGINT"
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     elapsed = time.perf_counter() - started
     done = [o for o in outcomes if o.results]
     report = Report(args.world_size, tiers, done, len(cases), elapsed, interrupted)

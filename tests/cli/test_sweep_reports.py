@@ -72,7 +72,7 @@ def test_sweep_help_quotes_no_stale_layout_count() -> None:
     assert "--communicate" in text
 
 
-def _start_sweep(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
+def _start_sweep(tmp_path: Path, delay: float = 1.0) -> tuple[subprocess.Popen[str], Path, Path]:
     out_json, out_xml = tmp_path / "sweep.json", tmp_path / "sweep.xml"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     proc = subprocess.Popen(
@@ -99,17 +99,21 @@ def _start_sweep(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
     assert proc.stderr is not None
     first = proc.stderr.readline()  # the first progress line: the sweep is running
     assert "meshsim sweep: fake 0/" in first, first
-    time.sleep(1.0)
+    time.sleep(delay)
     return proc, out_json, out_xml
 
 
+@pytest.mark.parametrize("delay", [0.3, 1.0])
 @pytest.mark.parametrize(
     ("sig", "name", "code"), [(signal.SIGINT, "SIGINT", 130), (signal.SIGTERM, "SIGTERM", 143)]
 )
 def test_interrupted_sweep_writes_valid_partial_reports(
-    tmp_path: Path, sig: signal.Signals, name: str, code: int
+    tmp_path: Path, sig: signal.Signals, name: str, code: int, delay: float
 ) -> None:
-    proc, out_json, out_xml = _start_sweep(tmp_path)
+    """The signal may land anywhere, torch's imports included (early, 0.3 s, is mostly there):
+    an exception raised there used to abort the process or turn exit 130 into death by SIGINT,
+    about one run in six."""
+    proc, out_json, out_xml = _start_sweep(tmp_path, delay)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, (stdout, stderr)
