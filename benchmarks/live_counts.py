@@ -4,15 +4,19 @@ with the real framework on gloo, diff every kind, and reproduce the listed rejec
 Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework; also
 ``olmo-core`` and ``megatron``, whose refusals are ``megatron.refused_configs(N)``). A fourth
 argument keeps only the layouts whose id contains it: ``megatron 16 gloo hyper_comm_grid``.
+``--shard I/N`` runs every N-th layout and refusal from the I-th, to spread a run over cores.
 Prints one JSON line: layouts, kinds compared, kinds equal, rejections tried / reproduced, time.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from typing import Any
+
+import _common  # noqa: F401  (puts this checkout first on sys.path: meshsim and tests.real)
 
 import meshsim
 from meshsim.checks import ObservedLayout, diff
@@ -39,14 +43,18 @@ def _refusals(framework: str, world: int) -> list[dict[str, Any]]:
     return keep
 
 
-def main(framework: str, world: int, backend: str = "gloo", match: str = "") -> dict[str, Any]:
-    """Counts over the layouts whose id contains ``match`` (all by default); every refusal."""
+def main(
+    framework: str, world: int, backend: str = "gloo", match: str = "", shard: str = "0/1"
+) -> dict[str, Any]:
+    """Counts over the layouts whose id contains ``match`` (all by default) and every refusal,
+    or, with ``shard="I/N"``, every N-th of each from the I-th (one run per core; sum them)."""
     from tests.real._helpers import adapter, real_outcomes
 
     start = time.perf_counter()
     compared = equal = layouts = 0
     mismatched: list[str] = []
-    for case in meshsim.layouts(world, framework):
+    index, count = (int(part) for part in shard.split("/"))
+    for case in meshsim.layouts(world, framework)[index::count]:
         if match not in case.id:
             continue
         layouts += 1
@@ -74,7 +82,7 @@ def main(framework: str, world: int, backend: str = "gloo", match: str = "") -> 
                 equal += 1
             else:
                 mismatched.append(f"{case.id}:{kind}")
-    refusals = _refusals(framework, world)
+    refusals = _refusals(framework, world)[index::count]
     reproduced = 0
     for config in refusals:
         with_upstream = None
@@ -90,6 +98,7 @@ def main(framework: str, world: int, backend: str = "gloo", match: str = "") -> 
         "world": world,
         "backend": backend,
         "match": match,
+        "shard": shard,
         "layouts": layouts,
         "kinds_compared": compared,
         "kinds_equal": equal,
@@ -101,4 +110,12 @@ def main(framework: str, world: int, backend: str = "gloo", match: str = "") -> 
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])), flush=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("framework", choices=["deepspeed", "megatron", "olmo-core"])
+    parser.add_argument("world", type=int)
+    parser.add_argument("backend", nargs="?", default="gloo")
+    parser.add_argument("match", nargs="?", default="", help="keep layouts whose id contains it")
+    parser.add_argument("--shard", default="0/1", help="I/N: every N-th layout from the I-th")
+    args = parser.parse_args()
+    counts = main(args.framework, args.world, args.backend, args.match, args.shard)
+    print(json.dumps(counts), flush=True)

@@ -8,6 +8,7 @@ as the reference names), failures, and the wall time. Run on demand (minutes), e
 
     python benchmarks/torchtitan_live.py --world 8 --backend gloo
     python benchmarks/torchtitan_live.py --world 16 --backend fake
+    python benchmarks/torchtitan_live.py --world 16 --backend fake --shard 1/2   # and 0/2
     python benchmarks/torchtitan_live.py --world 16 --backend gloo --sample 24
 """
 
@@ -33,7 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sample", type=int, default=0, help="N evenly spaced layouts and refusals (0: all)"
     )
+    parser.add_argument(
+        "--shard",
+        default="0/1",
+        help="I/N: only every N-th layout and refusal from the I-th, to spread a run over cores "
+        "(sum the N JSON lines)",
+    )
     args = parser.parse_args(argv)
+    index, count = (int(part) for part in args.shard.split("/"))
     valid = layouts(args.world, "torchtitan", versions=["current"], spmd_backends=BACKENDS)
     refused = [
         LayoutCase("torchtitan", args.world, {"version": "current", **c})
@@ -41,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.sample:
         valid, refused = _spread(valid, args.sample), _spread(refused, args.sample)
-    counts = {"world": args.world, "backend": args.backend, "layouts": len(valid)}
+    valid, refused = valid[index::count], refused[index::count]
+    counts = {"world": args.world, "backend": args.backend, "shard": args.shard}
+    counts["layouts"] = len(valid)
     counts.update(kinds_compared=0, kinds_equal=0, layouts_equal=0)
     counts.update(refused=len(refused), rejections_reproduced=0, failures=[])
     start = time.perf_counter()
