@@ -134,7 +134,7 @@ class _KeptWorld:
                 destroyed = True
         c10d._world.pg_map[self.pg] = self.entry
         c10d._world.group_count = 1
-        if destroyed and (self.threads is None or _native_threads() != self.threads):
+        if destroyed and _too_many_threads(self.threads):
             _release_groups()
             self.threads = _native_threads()  # what a collection cannot free is the new baseline
 
@@ -145,18 +145,32 @@ class _KeptWorld:
         return c10d.is_initialized() and c10d._get_default_group() is self.pg
 
 
+#: Threads that destroyed groups may keep alive before a collection frees them: a gloo group
+#: costs its job's wall time when it is torn down (~2x per test at world 8 if done every job),
+#: so the teardown of a few hundred groups' threads is batched.
+_SPARE_THREADS = 256
+
+
 def _release_groups() -> None:
     """Free the destroyed groups that something still holds in a reference cycle.
 
     ``destroy_process_group`` only forgets a group; its gloo threads and sockets go with the
-    last reference, and frameworks keep groups in cycles: megatron-core 0.16 left ~50 threads
-    per job at world 4, and a few hundred world-16 jobs on one kept world piled up thousands of
-    threads and starved the machine. A full collection costs up to a few hundred ms with a
-    framework imported, so it runs only when threads outlived the job (or cannot be counted).
+    last reference, and frameworks keep groups in cycles (so does a sliced ``DeviceMesh``):
+    megatron-core 0.16 left ~50 threads per job at world 4, and a few hundred world-16 jobs on
+    one kept world piled up thousands of threads and starved the machine. It runs once more
+    than ``_SPARE_THREADS`` outlived their jobs. A full collection with torch and a framework
+    imported costs a few hundred ms, so what survives it is frozen: the next one walks only
+    what later jobs allocated, and what is frozen lives as long as the worker anyway.
     """
     import gc
 
     gc.collect()
+    gc.freeze()
+
+
+def _too_many_threads(baseline: int | None) -> bool:
+    threads = _native_threads()
+    return threads is None or baseline is None or threads > baseline + _SPARE_THREADS
 
 
 def _native_threads() -> int | None:
