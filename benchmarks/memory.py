@@ -27,7 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import children, dump, fmt_mib, fmt_s, loadavg, md_table, meminfo_gib, vm_status
+from _common import (
+    children,
+    fmt_mib,
+    fmt_s,
+    loadavg,
+    md_table,
+    meminfo_gib,
+    section_main,
+    vm_status,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -179,22 +188,15 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    parser.add_argument("--probe", nargs=2, metavar=("TIER", "WORLD"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.probe:
+    # The hidden ``--probe TIER WORLD`` is how run() measures one tier in a child process.
+    hidden = argparse.ArgumentParser(add_help=False)
+    hidden.add_argument("--probe", nargs=2, metavar=("TIER", "WORLD"))
+    known, _ = hidden.parse_known_args()
+    if known.probe:
         os.environ.setdefault("MESHSIM_MAX_WORLD_SIZE", "64")
-        print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
+        print(json.dumps(probe(known.probe[0], int(known.probe[1]))))
         return
-    start = time.perf_counter()
-    result = run(args.quick)
-    result["seconds"] = time.perf_counter() - start
-    print(render(result))
-    print(f"\n({fmt_s(result['seconds'])})")
-    if args.json:
-        dump(args.json, result)
+    section_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

@@ -27,18 +27,25 @@ at every world up to ``CHECK_UP_TO``; the result is in the JSON (``agree``).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import math
 import os
-import time
 import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from _common import cell, dump, fmt_ratio, fmt_s, interleaved, loadavg, md_table, ratio
+from _common import (
+    cell,
+    fmt_ratio,
+    fmt_s,
+    interleaved,
+    loadavg,
+    md_table,
+    ratio,
+    section_main,
+)
 
 #: Worlds up to this size are cross-checked (every column against meshsim) before timing.
 CHECK_UP_TO = 2**14
@@ -381,18 +388,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    start = time.perf_counter()
-    result = run(args.quick)
-    result["seconds"] = time.perf_counter() - start
-    print(render(result))
-    print(f"\n({fmt_s(result['seconds'])})")
-    if args.json:
-        dump(args.json, result)
+    section_main(__doc__, run, render)
 
 
 if __name__ == "__main__":
