@@ -180,12 +180,6 @@ def _native_threads() -> int | None:
     except OSError:
         return None
 
-    def current(self) -> bool:
-        """The world is still this process's default group (the body did not replace it)."""
-        import torch.distributed.distributed_c10d as c10d
-
-        return c10d.is_initialized() and c10d._get_default_group() is self.pg
-
 
 class Worker:
     def __init__(self, fd: int) -> None:
