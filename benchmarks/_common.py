@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: import meshsim from this checkout
@@ -334,3 +334,12 @@ def section_main(
     print(f"\n({fmt_s(result['seconds'])})")
     if args.json:
         dump(args.json, result)
+
+
+T = TypeVar("T")
+
+
+def take_shard(items: Sequence[T], spec: str) -> list[T]:
+    """``--shard I/N``: every N-th item from the I-th, so N runs side by side cover them all."""
+    index, count = (int(part) for part in spec.split("/"))
+    return list(items[index::count])

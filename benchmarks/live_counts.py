@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-import _common  # noqa: F401  (puts this checkout first on sys.path: meshsim and tests.real)
+from _common import take_shard  # also puts this checkout first on sys.path (tests.real)
 
 import meshsim
 from meshsim.checks import ObservedLayout, diff
@@ -53,8 +53,7 @@ def main(
     start = time.perf_counter()
     compared = equal = layouts = 0
     mismatched: list[str] = []
-    index, count = (int(part) for part in shard.split("/"))
-    for case in meshsim.layouts(world, framework)[index::count]:
+    for case in take_shard(meshsim.layouts(world, framework), shard):
         if match not in case.id:
             continue
         layouts += 1
@@ -82,7 +81,7 @@ def main(
                 equal += 1
             else:
                 mismatched.append(f"{case.id}:{kind}")
-    refusals = _refusals(framework, world)[index::count]
+    refusals = take_shard(_refusals(framework, world), shard)
     reproduced = 0
     for config in refusals:
         with_upstream = None

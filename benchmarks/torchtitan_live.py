@@ -19,6 +19,8 @@ import json
 import sys
 import time
 
+from _common import take_shard
+
 from meshsim import layouts
 from meshsim.model.conventions._torchtitan_api import refused_configs
 from meshsim.model.sweep import LayoutCase
@@ -41,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
         "(sum the N JSON lines)",
     )
     args = parser.parse_args(argv)
-    index, count = (int(part) for part in args.shard.split("/"))
     valid = layouts(args.world, "torchtitan", versions=["current"], spmd_backends=BACKENDS)
     refused = [
         LayoutCase("torchtitan", args.world, {"version": "current", **c})
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.sample:
         valid, refused = _spread(valid, args.sample), _spread(refused, args.sample)
-    valid, refused = valid[index::count], refused[index::count]
+    valid, refused = take_shard(valid, args.shard), take_shard(refused, args.shard)
     counts = {"world": args.world, "backend": args.backend, "shard": args.shard}
     counts["layouts"] = len(valid)
     counts.update(kinds_compared=0, kinds_equal=0, layouts_equal=0)
