@@ -85,6 +85,9 @@ class CollectiveDivergence(RankFailure):
         self.ranks = ranks
         self.calls = calls
         self.steps = steps
+        #: How the run ended because of the divergence (the ranks that hung, crashed or were
+        #: stopped), when it did not end normally; ``None`` otherwise.
+        self.consequence: str | None = None
 
 
 class RankTimeout(MeshsimError, TimeoutError):

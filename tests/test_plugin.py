@@ -78,18 +78,25 @@ def test_timeout_reports_stacks(pytester: pytest.Pytester) -> None:
         import torch
         import torch.distributed as dist
 
-        @pytest.mark.meshsim(world_size=2, backend="gloo", timeout=10)
+        # 30 s: long enough for a gloo world to come up on a loaded machine, so rank 0 is
+        # surely inside its all_reduce when the deadline comes.
+        @pytest.mark.meshsim(world_size=2, backend="gloo", timeout=30)
         def test_hangs(rank):
+            import time
+
             if rank == 0:
                 dist.all_reduce(torch.ones(1))
+            while True:  # rank 1 is slow, not diverged: a timeout, not a divergence
+                time.sleep(0.01)
         """
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*RankTimeout*timed out after 10 s*",
+            "*RankTimeout*timed out after 30 s*",
             "*rank 0: blocked in all_reduce*",
+            "*rank 1: not in a collective*",
             "*stack of rank 0*",
         ]
     )

@@ -15,6 +15,14 @@ messages are matched per (source, destination, tag) by ``meshsim.harness.p2p``, 
 earliest mismatch of either check is reported. Groups are identified by their global ranks.
 Creations are compared streaming against the first rank, so a 131,072 rank world that
 builds thousands of groups per rank does not keep them all in memory.
+
+Final and cut-short recordings. A run can end before every rank's sequence is known: a rank
+raised, died, or was stopped. Such a rank's recording is *cut short*: every call in it is
+evidence, but a call it lacks is not (it might have come). A rank whose sequence can have
+no more calls is *final* (it returned, or ``meshsim.harness.deadlock`` proved it can never
+leave the call it is blocked in): a call it lacks that a peer made is a divergence. So a
+broken program is reported as the same divergence whether the run ended by a hang, a crash
+or a normal return.
 """
 
 from __future__ import annotations
@@ -89,10 +97,13 @@ class Comparison:
         self.calls: dict[int, list[Step]] = {}
         self.p2p: dict[int, list[Step]] = {}
         self.last_step: dict[int, int] = {}
+        self.final: set[int] = set()
+        self.stuck: set[int] = set()  # final because deadlocked in their last call
         self._ref_rank: int | None = None
+        self._ref_final = True
         self._ref: list[Step] = []
         self._index = 0
-        self._diverged = False
+        self._diverged = False  # this rank's creations need no more comparing
         self.creation_divergence: Divergence | None = None
 
     def begin_rank(self, rank: int) -> RankSink:
@@ -110,17 +121,29 @@ class Comparison:
             return
         k = self._index
         self._index += 1
-        if k >= len(self._ref) or _key(self._ref[k][1]) != _key(call):
+        if k >= len(self._ref):
+            self._diverged = True  # past a cut-short reference nothing is known
+            if self._ref_final:
+                self._note_creation(rank, k, (step, call))
+        elif _key(self._ref[k][1]) != _key(call):
             self._diverged = True
             self._note_creation(rank, k, (step, call))
 
-    def end_rank(self, sink: RankSink) -> None:
+    def end_rank(self, sink: RankSink, *, final: bool = True, stuck: bool = False) -> None:
+        """Close ``sink``'s rank; ``final=False``: its recording was cut short (see above);
+        ``stuck``: final because it is deadlocked in its last call, not because it returned."""
+        if stuck:
+            self.stuck.add(sink.rank)
         rank = sink.rank
         self.order.append(rank)
         self.calls[rank] = sink.calls
         self.p2p[rank] = sink.p2p
         self.last_step[rank] = sink.step - 1
-        if rank != self._ref_rank and not self._diverged and self._index < len(self._ref):
+        if final:
+            self.final.add(rank)
+        if rank == self._ref_rank:
+            self._ref_final = final
+        elif final and not self._diverged and self._index < len(self._ref):
             self._note_creation(rank, self._index, None)
 
     def _note_creation(self, rank: int, k: int, mine: Step | None) -> None:
@@ -161,7 +184,7 @@ class Comparison:
         last = self.last_step.get(rank, -1)
         if last < 0:
             return f"rank {rank} made no such call (it recorded no calls at all)"
-        return f"rank {rank} made no such call (it returned after step {last})"
+        return f"rank {rank} made no such call ({self._absent(rank)})"
 
     # ------------------------------------------------------------------ groups
 
@@ -183,7 +206,14 @@ class Comparison:
                 members = sorted((r for r in set(group) if r in sampled), key=position.__getitem__)
             if len(members) < 2:
                 continue
-            ref_rank = members[0]
+            # The reference: the first final member (every index is comparable against a
+            # final sequence), else the longest cut-short one.
+            ref_rank = next(
+                (r for r in members if r in self.final),
+                max(members, key=lambda r: len(projections[r].get(group, []))),
+            )
+            members.remove(ref_rank)
+            members.insert(0, ref_rank)
             ref = projections[ref_rank].get(group, [])
             for other in members[1:]:
                 mine = projections[other].get(group, [])
@@ -201,6 +231,8 @@ class Comparison:
             sb = mine[k] if k < len(mine) else None
             if sa is not None and sb is not None and _key(sa[1]) == _key(sb[1]):
                 continue
+            if (sa is None and a not in self.final) or (sb is None and b not in self.final):
+                return None  # a cut-short rank may still have made this call
             sizes = sa is not None and sb is not None and sa[1].describe() == sb[1].describe()
             return Divergence(
                 "collective",
@@ -220,7 +252,7 @@ class Comparison:
         if not any(self.p2p.values()):
             return []
         found = []
-        for m in p2p.mismatches(self.p2p, self.world_size):
+        for m in p2p.mismatches(self.p2p, self.world_size, final=self.final):
             what, side_send, side_recv = p2p.describe(m, self._absent)
             found.append(
                 Divergence(
@@ -240,6 +272,8 @@ class Comparison:
 
     def _absent(self, rank: int) -> str:
         last = self.last_step.get(rank, -1)
+        if rank in self.stuck:
+            return f"it is deadlocked in its call at step {last}"
         return "it recorded no calls at all" if last < 0 else f"it returned after step {last}"
 
     def group_creations(self) -> list[Call]:

@@ -3,9 +3,10 @@
 No communication happens (collectives return at once with garbage data), so the tier checks
 metadata: ranks, meshes, groups - and the *order* of calls. Every rank's group creations and
 collectives are recorded and compared (``meshsim.harness.divergence``): a mismatch raises
-``CollectiveDivergence``. Between ranks all torch.distributed and DeviceMesh state is reset,
-so rank r+1 never sees rank r's groups or meshes. ``timeout`` applies to each rank's body
-(the ranks stand for processes that would run concurrently).
+``CollectiveDivergence``, ahead of any rank's failure (a rank that raised counts as cut
+short). Between ranks all torch.distributed and DeviceMesh state is reset, so rank r+1 never
+sees rank r's groups or meshes. ``timeout`` applies to each rank's body (the ranks stand for
+processes that would run concurrently).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.divergence import Comparison, RankSink
 from meshsim.harness.fake_groups import NonMemberFastPath
 from meshsim.harness.isolation import isolated_world, reset_rank_state
+from meshsim.harness.live import with_consequence
 from meshsim.harness.outcome import (
     RankOutcome,
     RunResult,
@@ -46,7 +48,7 @@ class FakeBackend:
                         reset_rank_state()
                         sink = comparison.begin_rank(rank)
                         outcome = _run_rank(job, rank, sink)
-                        comparison.end_rank(sink)
+                        comparison.end_rank(sink, final=outcome.ok)
                         outcomes.append(outcome)
                         if outcome.status == "timeout":
                             break
@@ -56,6 +58,12 @@ class FakeBackend:
         finally:
             recorder.uninstall()
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        divergence = comparison.divergence(outcomes)  # first, as on every tier
+        if divergence is not None:
+            if all(o.ok for o in outcomes):
+                raise divergence
+            ending = "a rank raised or timed out (the fake tier runs ranks in turn)"
+            raise with_consequence(divergence, outcomes, ending)
         if outcomes and outcomes[-1].status == "timeout":
             skipped = len(job.ranks) - len(outcomes)
             note = f"(the fake tier runs ranks in turn; {skipped} later rank(s) were not run)"
@@ -63,9 +71,6 @@ class FakeBackend:
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure
-        divergence = comparison.divergence(outcomes)
-        if divergence is not None:
-            raise divergence
         return RunResult(
             outcomes,
             backend=self.name,

@@ -3,12 +3,17 @@
 The parent supervises: it collects each rank's result, notices a rank that dies (exit code
 or signal, plus its last output), gives the others ``FAILURE_GRACE_S`` to finish after a
 failure, and at the deadline asks every live rank for its Python stack (``SIGUSR1`` ->
-``faulthandler``) and reads which collective it is in (``recorder.FileSink``) before killing
-it. A rank that dies *after* its result arrived is a teardown problem, not a body failure:
-the values are returned and a ``TeardownWarning`` is issued. After a run in which every rank
-returned, the ranks' recorded calls are compared as on the fake tier (``live.replay``):
-collectives, group creations and point-to-point pairs; a mismatch raises
-``CollectiveDivergence``.
+``faulthandler``) before killing it. A rank that dies *after* its result arrived is a
+teardown problem, not a body failure: the values are returned and a ``TeardownWarning`` is
+issued.
+
+Every rank appends each call to a file before issuing it (``recorder.StreamSink``), and the
+parent reads those files as the run goes. However the run ends - every rank returned, one
+crashed on a mismatched collective, all hung - the recordings are judged first
+(``live.judge``): a divergence raises ``CollectiveDivergence`` with the crash or hang it
+caused attached, so one broken program gets one report, whatever gloo made of it. While the
+ranks run, a world that stands still with a proven divergence is stopped at once
+(``live.DivergenceWatch``) instead of at its deadline.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 from meshsim.errors import MeshsimError, TeardownWarning
 from meshsim.harness import pickling, recorder, rendezvous
 from meshsim.harness.backend import Job
-from meshsim.harness.live import replay
+from meshsim.harness.live import DivergenceWatch, ending_of_run, judge, with_consequence
 from meshsim.harness.outcome import (
     RankOutcome,
     RunResult,
@@ -36,10 +41,15 @@ from meshsim.harness.outcome import (
 )
 from meshsim.harness.pool import Worker, get_pool
 
-#: After the first failing rank, how long the others get to finish before being stopped.
-FAILURE_GRACE_S = 2.0
-#: How long to wait for a stack dump after SIGUSR1.
-STACK_WAIT_S = 1.0
+#: After the first failing rank, how long the others get to finish before being stopped
+#: (ranks that can only wait for the failed one are stopped at once: ``DivergenceWatch``).
+FAILURE_GRACE_S = 10.0
+#: How long to wait for a stack dump after SIGUSR1 (the dump must stop growing for
+#: ``STACK_STILL_S`` first: a preempted worker writes it in pieces).
+STACK_WAIT_S = 5.0
+STACK_STILL_S = 0.2
+#: How often the parent reads the ranks' recordings while they run (``DivergenceWatch``).
+TICK_S = 0.2
 #: Keep each warm worker's world process group for the next job of the same world when every
 #: rank agrees it is clean (see ``meshsim.harness.worker``); ``MESHSIM_KEEP_WORLD=0`` rebuilds
 #: it for every job, as before.
@@ -55,6 +65,12 @@ class _Rank:
         self.problems: list[str] = []
         self.death: str | None = None  # how the process ended, if it did
         self.kept = False  # the worker kept its world process group for the next job
+        self.stream: recorder.StreamReader | None = None  # its calls, as it makes them
+        self.stopped = False  # still in the body when the harness stopped the run
+
+    @property
+    def in_body(self) -> bool:
+        return self.result is None and self.death is None
 
     @property
     def finished(self) -> bool:
@@ -104,6 +120,7 @@ class ProcessBackend:
 
         env = dict(os.environ)
         for r in ranks:
+            r.stream = recorder.StreamReader(os.path.join(job_dir, f"calls-{r.rank}"))
             r.worker.mark_log()
             self._send_job(
                 r,
@@ -124,6 +141,8 @@ class ProcessBackend:
             )
         deadline = time.monotonic() + job.timeout
         grace: float | None = None
+        watch = DivergenceWatch(job.world_size)
+        diverged = False
         while True:
             pending = [r for r in ranks if not r.finished]
             if not pending:
@@ -135,26 +154,38 @@ class ProcessBackend:
             if now >= limit:
                 break
             by_conn = {r.worker.conn: r for r in pending}
-            for conn in wait(list(by_conn), timeout=limit - now):
+            for conn in wait(list(by_conn), timeout=min(TICK_S, limit - now)):
                 r = by_conn[conn]
                 failed = self._receive(r)
                 if failed and grace is None:
                     grace = time.monotonic() + FAILURE_GRACE_S
-        stuck = [r for r in ranks if r.result is None and r.death is None]
-        timed_out = bool(stuck) and grace is None
+            if watch.look(*_state(ranks)) is not None:
+                diverged = True
+                break
+            if grace is not None and watch.standstill:
+                break  # the others wait for the failed rank: nothing left to finish
+        stuck = [r for r in ranks if r.in_body]
+        timed_out = bool(stuck) and grace is None and not diverged
         status = "timeout" if timed_out else "aborted"
         stopped = self._stop([r for r in ranks if not r.finished], job_dir)
         self._forward_output(ranks)
         outcomes = [self._outcome(r, stopped.get(r.rank), status) for r in ranks]
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
+        divergence = self._judge(job, ranks, outcomes) or watch.found
+        if divergence is not None:
+            for r in ranks:
+                r.kept = False  # the backend may have tolerated it: the next job gets a new world
+            if all(o.ok for o in outcomes):
+                divergence.outcomes = tuple(outcomes)
+                raise divergence
+            raise with_consequence(
+                divergence, outcomes, ending_of_run(diverged, timed_out, job.timeout)
+            )
         if timed_out:
             raise timeout_error(outcomes, timeout=job.timeout, **info)
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure
-        divergence = self._compare(job, ranks, outcomes)
-        if divergence is not None:
-            raise divergence
         teardown = [o for o in outcomes if o.teardown]
         if teardown:
             warnings.warn(
@@ -169,23 +200,19 @@ class ProcessBackend:
             outcomes, backend=self.name, world_size=job.world_size, teardown_failures=teardown
         )
 
-    def _compare(
-        self, job: Job, ranks: list[_Rank], outcomes: list[RankOutcome]
-    ) -> Exception | None:
-        """Compare every rank's recording as the fake tier does, once all ranks returned.
+    def _judge(self, job: Job, ranks: list[_Rank], outcomes: list[RankOutcome]) -> Exception | None:
+        """The divergence the ranks' recordings prove, however the run ended (``live.judge``).
 
-        The backend may have tolerated a mismatch (an ``isend`` nobody received, a short
-        message into a larger buffer, two collectives gloo happens to pair). A world that saw
-        one is not kept: the next job gets a fresh one.
+        Every rank's stream is read to its end first: a killed or crashed rank's file holds
+        every call it entered. The backend may have tolerated a mismatch (an ``isend`` nobody
+        received, a short message into a larger buffer, two collectives gloo happens to
+        pair), hung on it or crashed on it; the recordings tell all three the same way.
         """
-        if any(r.result is None or "calls" not in r.result for r in ranks):
-            return None  # a rank died after its result arrived: its recording is incomplete
-        sequences = ((r.rank, r.result["calls"]) for r in ranks)  # type: ignore[index]
-        divergence = replay(job.world_size, sequences).divergence(outcomes)
-        if divergence is not None:
-            for r in ranks:
-                r.kept = False
-        return divergence
+        for r in ranks:
+            r.stream.poll()  # type: ignore[union-attr]
+        calls = {r.rank: r.stream.calls for r in ranks}  # type: ignore[union-attr]
+        blocked = {r.rank: r.stream.current for r in ranks if r.stopped}  # type: ignore[union-attr]
+        return judge(job.world_size, calls, outcomes, blocked)
 
     def _send_job(self, r: _Rank, spec: dict[str, Any]) -> None:
         try:
@@ -214,21 +241,24 @@ class ProcessBackend:
         info: dict[int, tuple] = {}
         in_body = [r for r in live if r.result is None]
         for r in in_body:
+            r.stopped = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(r.worker.pid, signal.SIGUSR1)
         paths = {r.rank: os.path.join(job_dir, f"stack-{r.rank}") for r in in_body}
         end = time.monotonic() + STACK_WAIT_S
         sizes: dict[int, int] = {}
+        still_since = time.monotonic()
         while in_body and time.monotonic() < end:
             now_sizes = {k: _size(p) for k, p in paths.items()}
-            if all(now_sizes.values()) and now_sizes == sizes:
+            if now_sizes != sizes or not all(now_sizes.values()):
+                sizes, still_since = now_sizes, time.monotonic()
+            elif time.monotonic() - still_since >= STACK_STILL_S:
                 break
-            sizes = now_sizes
             time.sleep(0.05)
         for r in in_body:
             stack = _read(paths[r.rank]) or "(no stack: the process did not answer SIGUSR1)\n"
-            coll = recorder.read_file_sink(os.path.join(job_dir, f"coll-{r.rank}"))
-            info[r.rank] = (_faulthandler_to_text(stack), coll)
+            r.stream.poll()  # type: ignore[union-attr]
+            info[r.rank] = (_faulthandler_to_text(stack), r.stream.where())  # type: ignore[union-attr]
         for r in live:  # only now: a killed peer makes the others leave their collective
             r.worker.kill()
         return info
@@ -271,6 +301,19 @@ class ProcessBackend:
                 error_message=f"the caller could not unpickle rank {r.rank}'s return value: {exc}",
             )
         return RankOutcome(r.rank, value=value, teardown=teardown)
+
+
+def _state(ranks: list[_Rank]) -> tuple[dict[int, list], list[int], dict[int, Any]]:
+    """(calls, returned ranks, rank in its body -> the call it is in), for ``DivergenceWatch``.
+
+    Results are read before the streams: a rank's result follows its last recorded call.
+    """
+    returned = [r.rank for r in ranks if r.result is not None and r.result["status"] == "ok"]
+    body = [r for r in ranks if r.in_body]
+    for r in ranks:
+        r.stream.poll()  # type: ignore[union-attr]
+    calls = {r.rank: r.stream.calls for r in ranks}  # type: ignore[union-attr]
+    return calls, returned, {r.rank: r.stream.current for r in body}  # type: ignore[union-attr]
 
 
 class GlooBackend(ProcessBackend):

@@ -14,11 +14,13 @@ Each sink also keeps its full sequence, which ``replay`` feeds to the fake tier'
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from meshsim.errors import CollectiveDivergence
+from meshsim.harness.deadlock import deadlocked
 from meshsim.harness.divergence import Comparison, _key
-from meshsim.harness.outcome import format_group
+from meshsim.harness.outcome import RankOutcome, format_group, rank_label
 from meshsim.harness.recorder import Call, TrackingSink
 
 _WORLD_CREATIONS = ("world-synchronised creations",)
@@ -99,13 +101,156 @@ class LiveSink(TrackingSink):
         self.table.check(self.rank, (slot_group, index), index, call)
 
 
-def replay(world_size: int, sequences: Iterable[tuple[int, list[Call]]]) -> Comparison:
-    """Feed recorded per-rank sequences to the post-run comparison the fake tier uses."""
+def replay(
+    world_size: int,
+    sequences: Iterable[tuple[int, Sequence[Call]]],
+    *,
+    final: Collection[int] | None = None,
+    stuck: Collection[int] = (),
+) -> Comparison:
+    """Feed recorded per-rank sequences to the comparison the fake tier uses.
+
+    ``final``: the ranks whose sequences are complete (default: all); the others were cut
+    short (``meshsim.harness.divergence``); ``stuck``: the final ranks that are deadlocked
+    rather than returned. The creation reference goes first: the lowest final rank, else the
+    rank that recorded most.
+    """
+    by_rank = dict(sequences)
+    order = sorted(by_rank)
+    if final is not None and order:
+        first = next((r for r in order if r in final), max(order, key=lambda r: len(by_rank[r])))
+        order.remove(first)
+        order.insert(0, first)
     comparison = Comparison(world_size)
-    for rank, calls in sequences:
+    for rank in order:
         sink = comparison.begin_rank(rank)
-        for call in calls:
+        for call in by_rank[rank]:
             sink.enter(call)
             sink.exit(call)
-        comparison.end_rank(sink)
+        comparison.end_rank(sink, final=final is None or rank in final, stuck=rank in stuck)
     return comparison
+
+
+def judge(
+    world_size: int,
+    calls: Mapping[int, Sequence[Call]],
+    outcomes: Sequence[RankOutcome],
+    blocked: Mapping[int, Call | None],
+) -> CollectiveDivergence | None:
+    """The divergence every rank's recording proves, however the run ended; else ``None``.
+
+    ``calls``: each rank's recorded calls; ``blocked``: each rank still running when the run
+    was judged -> the call it was inside (``None``: outside any call). Ranks that returned
+    are final, so are the deadlocked ones (``meshsim.harness.deadlock``); a rank that raised
+    or died was cut short.
+    """
+    stuck = deadlocked(world_size, calls, blocked)
+    final = stuck | {o.rank for o in outcomes if o.ok}
+    comparison = replay(world_size, sorted(calls.items()), final=final, stuck=stuck)
+    return comparison.divergence(outcomes)
+
+
+class DivergenceWatch:
+    """Judges a running world each time it stands still, so that a divergence which leaves
+    ranks waiting forever stops the run when it happens, not at the deadline.
+
+    Standing still: no rank recorded a call since the last look. A run is stopped only when
+    some rank is deadlocked (``meshsim.harness.deadlock``) and the recordings prove a
+    divergence: ranks that can still move are left to finish, so a program that completes
+    despite a divergence returns every rank's value with the report. Judging backs off to
+    keep its cost under a tenth of the run's time on big recordings. Only the moment of the
+    stop depends on the schedule; the verdict is ``judge``'s on the recordings.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.found: CollectiveDivergence | None = None
+        #: Every rank still in its body was deadlocked at the last look: after a failure,
+        #: nothing is left to wait for.
+        self.standstill = False
+        self._last_count = -1
+        self._judged: object = None
+        self._not_before = 0.0
+
+    def look(
+        self,
+        calls: Mapping[int, Sequence[Call]],
+        returned: Collection[int],
+        blocked: Mapping[int, Call | None],
+    ) -> CollectiveDivergence | None:
+        """The divergence the recordings prove now, if the world stands still; else None."""
+        count = sum(len(c) for c in calls.values())
+        quiet, self._last_count = count == self._last_count, count
+        if not quiet or not blocked:
+            self.standstill = False
+            return None
+        state = (count, frozenset(returned), frozenset((r, id(c)) for r, c in blocked.items()))
+        if state == self._judged or time.monotonic() < self._not_before:
+            return None
+        self._judged = state
+        start = time.monotonic()
+        stuck = deadlocked(self.world_size, calls, blocked)
+        self.standstill = len(stuck) == len(blocked)
+        if stuck:
+            final = stuck | set(returned)
+            comparison = replay(self.world_size, sorted(calls.items()), final=final, stuck=stuck)
+            self.found = comparison.divergence(())
+        self._not_before = time.monotonic() + 10 * (time.monotonic() - start)
+        return self.found
+
+
+def ending_of_run(diverged: bool, timed_out: bool, timeout: float) -> str:
+    """How a run that showed a divergence ended, for ``with_consequence``."""
+    if diverged:
+        return (
+            "the harness stopped it as soon as the recordings proved the divergence; on a "
+            "real backend the waiting ranks would hang"
+        )
+    if timed_out:
+        return f"it timed out after {timeout:g} s"
+    return "a rank failed or died, and the harness stopped the others"
+
+
+def with_consequence(
+    divergence: CollectiveDivergence, outcomes: Sequence[RankOutcome], ending: str
+) -> CollectiveDivergence:
+    """``divergence`` with how the run ended appended (the hang or crash it caused)."""
+    lines = [f"What the run did: {ending}."]
+    for ranks, first in _merged(outcomes):
+        lines.append(f"  {rank_label(ranks)}: {_ending_of(first)}")
+    consequence = "\n".join(lines)
+    err = CollectiveDivergence(
+        f"{divergence.args[0]}\n{consequence}",
+        tuple(outcomes),
+        kind=divergence.kind,
+        group=divergence.group,
+        index=divergence.index,
+        ranks=divergence.ranks,
+        calls=divergence.calls,
+        steps=divergence.steps,
+    )
+    err.consequence = consequence
+    return err
+
+
+def _merged(outcomes: Sequence[RankOutcome]) -> list[tuple[list[int], RankOutcome]]:
+    groups: dict[str, list[RankOutcome]] = {}
+    for o in outcomes:
+        groups.setdefault(_ending_of(o), []).append(o)
+    merged = [(sorted(o.rank for o in g), g[0]) for g in groups.values()]
+    return sorted(merged, key=lambda item: item[0][0])
+
+
+def _ending_of(o: RankOutcome) -> str:
+    where = f"in {o.collective}" if o.collective else "not in a collective"
+    if o.status == "ok":
+        return "returned"
+    if o.status == "error":
+        first = (o.error_message or "").strip().splitlines()
+        text = f"raised {o.error_type}: {first[0] if first else ''}".rstrip(": ")
+        return text + (f" (in {o.collective})" if o.collective else "")
+    if o.status == "died":
+        return o.describe()
+    if o.status == "timeout":
+        return f"still running at the deadline ({where})"
+    return f"stopped by the harness ({where})"

@@ -18,7 +18,7 @@ Channels to a rank that was not run (``ranks=`` on the fake tier) are not checke
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,10 +164,21 @@ def _pair_problem(send: PeerOp, recv: PeerOp) -> str | None:
     return None
 
 
-def mismatches(calls: Mapping[int, Sequence[Step]], world_size: int) -> list[Mismatch]:
-    """Every channel's first mismatch between the recorded ranks ``calls`` (rank -> p2p steps)."""
+def mismatches(
+    calls: Mapping[int, Sequence[Step]],
+    world_size: int,
+    *,
+    final: Collection[int] | None = None,
+) -> list[Mismatch]:
+    """Every channel's first mismatch between the recorded ranks ``calls`` (rank -> p2p steps).
+
+    ``final``: the ranks whose recordings are complete (default: all). A missing send or
+    receive is a mismatch only when the rank that should have made it is final; a pair whose
+    sizes or dtypes differ is one whatever became of the ranks.
+    """
     sends, recvs, anysource = _messages(calls)
     recorded = set(calls)
+    done = recorded if final is None else recorded & set(final)
     found: list[Mismatch] = []
     surplus: dict[tuple[int, int], list[Message]] = {}
     for channel in sorted(set(sends) | set(recvs)):
@@ -177,21 +188,23 @@ def mismatches(calls: Mapping[int, Sequence[Step]], world_size: int) -> list[Mis
         lenient = (dst, tag) in anysource
         sent, received = sends.get(channel, []), recvs.get(channel, [])
         bad = None if lenient else _first_bad_pair(channel, sent, received)
-        if bad is None and len(received) > len(sent):
+        if bad is None and len(received) > len(sent) and src in done:
             k = len(sent)
             bad = Mismatch(src, dst, tag, k, "the receive was never sent", None, received[k])
         if bad is None and len(sent) > len(received):
             if lenient:
                 surplus.setdefault((dst, tag), []).extend(sent[len(received) :])
                 continue
+            if dst not in done:
+                continue
             k = len(received)
             bad = Mismatch(src, dst, tag, k, "the send was never received", sent[k], None)
         if bad is not None:
             found.append(bad)
-    complete = len(recorded) == world_size
+    complete = len(done) == world_size
     for (dst, tag), posted in anysource.items():
         extra = surplus.get((dst, tag), [])
-        if len(extra) > len(posted):
+        if len(extra) > len(posted) and dst in done:
             m = extra[len(posted)]
             k = sends[(m.rank, dst, tag)].index(m)
             problem = "the send was never received (not even by a receive from any source)"

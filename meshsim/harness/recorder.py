@@ -1,6 +1,6 @@
 """Record each rank's process-group creations and collectives by wrapping torch's entry points.
 
-Used by the fake tier (to compare ranks' call sequences) and by every tier's timeout report
+Used by every tier to compare ranks' call sequences and by every timeout report
 (to say which collective each rank was blocked in). The wrappers are installed process-wide
 (``install``/``uninstall``, reference counted) and cost one thread-local lookup when no sink
 is active. Only the outermost call is recorded: ``all_gather_object`` is one event, not the
@@ -367,41 +367,92 @@ class ListSink(TrackingSink):
         self.calls.append(call)
 
 
-class FileSink(TrackingSink):
-    """Mirrors the call in progress into a small file a parent process can read at a timeout.
+class StreamSink(TrackingSink):
+    """Appends every call to a file as it is entered and left, for a parent process to read.
 
-    A blocked worker cannot answer questions, so the state lives outside it: one ``pwrite``
-    per call into a fixed-size record.
+    A rank process can hang, crash or be killed, so what it did must already be outside it:
+    each call is written *before* it is issued (and a marker after it returns), so the parent
+    sees the call a rank is blocked in and every call before it, whatever ends the run. One
+    ``write`` per record on an ``O_APPEND`` descriptor: a killed process leaves whole records
+    (``StreamReader`` ignores a torn last one).
     """
 
-    SIZE = 1024
-
-    def __init__(self, fd: int, world_size: int) -> None:
+    def __init__(self, fd: int) -> None:
         super().__init__()
         self._fd = fd
-        self._world_size = world_size
 
-    def _write(self, text: str) -> None:
+    def _write(self, record: tuple) -> None:
         import os
+        import pickle
+        import struct
 
-        data = text.encode("utf-8", "replace")[: self.SIZE - 1]
+        data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
         with contextlib.suppress(OSError):
-            os.pwrite(self._fd, data + b"\0" * (self.SIZE - len(data)), 0)
+            os.write(self._fd, struct.pack("<I", len(data)) + data)
 
     def enter(self, call: Call) -> None:
         super().enter(call)
-        self._write("in " + (self.where(self._world_size) or ""))
+        self._write(("enter", call))
 
     def exit(self, call: Call, error: BaseException | None = None) -> None:
         super().exit(call, error)
-        self._write(f"done {call.describe(self._world_size)} (call #{self.count})")
+        self._write(("exit", error is not None))
 
 
-def read_file_sink(path: str) -> str | None:
-    """The collective recorded in ``path`` by a ``FileSink`` if the rank was inside one."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read(FileSink.SIZE).split(b"\0", 1)[0].decode("utf-8", "replace")
-    except OSError:
-        return None
-    return text[3:] if text.startswith("in ") else None
+class StreamReader:
+    """The parent's view of one rank's ``StreamSink`` file, read incrementally.
+
+    ``calls``: every call the rank entered, in order; ``current``: the call it is inside now
+    (``None`` between calls); ``raised_in``: the call the last exception came out of.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.calls: list[Call] = []
+        self.current: Call | None = None
+        self.raised_in: Call | None = None
+        self._offset = 0
+        self._buffer = b""
+
+    def poll(self) -> bool:
+        """Read what was appended since the last poll; True when there was anything."""
+        import pickle
+        import struct
+
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return False
+        if not data:
+            return False
+        self._offset += len(data)
+        buf = self._buffer + data
+        pos = 0
+        while len(buf) - pos >= 4:
+            (size,) = struct.unpack_from("<I", buf, pos)
+            if len(buf) - pos - 4 < size:
+                break
+            kind, value = pickle.loads(buf[pos + 4 : pos + 4 + size])
+            pos += 4 + size
+            if kind == "enter":
+                self.calls.append(value)
+                self.current = value
+            else:
+                self.raised_in = self.current if value else None
+                self.current = None
+        self._buffer = buf[pos:]
+        return True
+
+    def where(self, world_size: int | None = None) -> str | None:
+        """``all_reduce on group (0,1) (call #3)`` while inside a call, else ``None``."""
+        if self.current is None:
+            return None
+        return f"{self.current.describe(world_size)} (call #{len(self.calls)})"
+
+    def raised_where(self, world_size: int | None = None) -> str | None:
+        """The call the rank's exception came out of, if it came out of one."""
+        if self.raised_in is None:
+            return None
+        return f"{self.raised_in.describe(world_size)} (call #{len(self.calls)})"

@@ -33,7 +33,14 @@ from meshsim.harness import mailbox, recorder
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world, threaded_pg_module
-from meshsim.harness.live import LiveSink, LiveTable, replay
+from meshsim.harness.live import (
+    DivergenceWatch,
+    LiveSink,
+    LiveTable,
+    ending_of_run,
+    judge,
+    with_consequence,
+)
 from meshsim.harness.outcome import (
     RankOutcome,
     RunResult,
@@ -44,10 +51,13 @@ from meshsim.harness.outcome import (
 )
 from meshsim.harness.threadtools import HarnessInterrupt, async_raise, thread_stack
 
-#: After the first failing rank, how long the others get to finish before being stopped.
-FAILURE_GRACE_S = 2.0
+#: After the first failing rank, how long the others get to finish before being stopped
+#: (ranks that can only wait for the failed one are stopped at once: ``DivergenceWatch``).
+FAILURE_GRACE_S = 10.0
 #: How long stopped threads get to unwind after the abort.
 JOIN_GRACE_S = 2.0
+#: How often the harness looks at the ranks while they run (failures, deadline, deadlocks).
+TICK_S = 0.1
 
 _survivors: list[tuple[int, threading.Thread]] = []
 
@@ -122,12 +132,18 @@ class _Run:
         self.table = LiveTable(job.world_size)
         self.cond = threading.Condition()
         self.ranks = [_Rank(self, r) for r in range(job.world_size)]
+        self.watch = DivergenceWatch(job.world_size)
+        self.blocked: dict[int, Any] = {}  # rank -> the call it was in when stopped
 
     def alive(self) -> list[_Rank]:
         return [r for r in self.ranks if r.thread.is_alive()]
 
-    def wait(self, deadline: float) -> None:
-        """Until all ranks finish, the deadline, or the failure grace after a failure."""
+    def wait(self, deadline: float) -> bool:
+        """Until all ranks finish, the deadline, or the failure grace after a failure.
+
+        True when the ranks' recordings already prove a divergence that leaves some of them
+        waiting forever: the run is stopped there instead of at the deadline.
+        """
         failed_at: float | None = None
         with self.cond:
             while self.alive():
@@ -140,12 +156,29 @@ class _Run:
                     deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
                 )
                 if now >= limit:
-                    return
-                self.cond.wait(min(0.1, limit - now))
+                    return False
+                if self.watch.look(*self.state()) is not None:
+                    return True
+                if failed_at is not None and self.watch.standstill:
+                    return False  # the others wait for the failed rank: nothing left to finish
+                self.cond.wait(min(TICK_S, limit - now))
+        return False
+
+    def state(self) -> tuple[dict[int, list], list[int], dict[int, Any]]:
+        """(calls, returned ranks, running rank -> call it is in), read in a safe order.
+
+        Who returned is read before the calls (a returned rank's calls are then complete),
+        and the call a rank is in before its calls (a stale one shows as not blocked).
+        """
+        returned = [r.rank for r in self.ranks if r.outcome is not None and r.outcome.ok]
+        blocked = {r.rank: r.sink.current for r in self.ranks if r.outcome is None}
+        calls = {r.rank: list(r.sink.calls) for r in self.ranks}
+        return calls, returned, blocked
 
     def stop(self, status: str) -> tuple[int, ...]:
         """Stop every live rank; returns the ranks whose threads would not stop."""
         live = self.alive()
+        self.blocked = {r.rank: r.sink.current for r in live if r.outcome is None}
         for r in live:
             r.report(
                 RankOutcome(
@@ -202,7 +235,7 @@ class ThreadedBackend:
         mailbox.install(plg)  # point-to-point, which torch's threaded backend lacks
         recorder.install()
         survivors: tuple[int, ...] = ()
-        timed_out = False
+        timed_out = diverged = False
         try:
             with isolated_world(job.timeout, what="backend='threaded'"):
                 plg.reset()
@@ -212,8 +245,8 @@ class ThreadedBackend:
                 try:
                     for r in run.ranks:
                         r.thread.start()
-                    run.wait(deadline)
-                    timed_out = bool(run.alive()) and time.monotonic() >= deadline
+                    diverged = run.wait(deadline)
+                    timed_out = not diverged and bool(run.alive()) and time.monotonic() >= deadline
                     survivors = run.stop("timeout" if timed_out else "aborted")
                 finally:
                     plg.reset()
@@ -222,18 +255,20 @@ class ThreadedBackend:
             recorder.uninstall()
         outcomes = [r.outcome or RankOutcome(r.rank, status="aborted") for r in run.ranks]
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
-        live = run.table.divergence
-        if live is not None:  # hook: the live check fired in some rank
-            live.outcomes = tuple(outcomes)
-            raise live
+        # The recordings are judged first, however the run ended (hook: the same comparison
+        # as the fake tier's, on final and cut-short recordings alike).
+        calls = {r.rank: r.sink.calls for r in run.ranks}
+        divergence = judge(job.world_size, calls, outcomes, run.blocked)
+        divergence = divergence or run.watch.found or run.table.divergence
+        if divergence is not None:
+            if all(o.ok for o in outcomes):
+                divergence.outcomes = tuple(outcomes)
+                raise divergence
+            ending = ending_of_run(diverged, timed_out, job.timeout)
+            raise with_consequence(divergence, outcomes, ending)
         if timed_out:
             raise timeout_error(outcomes, timeout=job.timeout, survivors=survivors, **info)
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure
-        divergence = replay(  # hook: post-run comparison, as on the fake tier
-            job.world_size, ((r.rank, r.sink.calls) for r in run.ranks)
-        ).divergence(outcomes)
-        if divergence is not None:
-            raise divergence
         return RunResult(outcomes, backend=self.name, world_size=job.world_size)

@@ -1,11 +1,11 @@
 """The code inside a pool worker process: boot once with torch imported, then run ranks.
 
 Protocol (pickled tuples over a socketpair): worker -> ``("ready", pid)``; parent ->
-``("job", spec)``; worker -> ``("result", outcome)`` as soon as the body returned (with the
-rank's recorded calls when it returned normally), then
-``("done", problems)`` after teardown. An empty ``problems`` list means the worker is clean
-and may take the next job; otherwise it exits and the parent replaces it. Parent ->
-``("exit",)`` ends the worker.
+``("job", spec)``; worker -> ``("result", outcome)`` as soon as the body returned, then
+``("done", problems)`` after teardown. Every call the body makes is appended to the job's
+``calls-<rank>`` file before it is issued (``recorder.StreamSink``), for the parent to read.
+An empty ``problems`` list means the worker is clean and may take the next job; otherwise it
+exits and the parent replaces it. Parent -> ``("exit",)`` ends the worker.
 
 Teardown is robust by construction: every rank signals "finished" through the job's file
 store and waits for the others before destroying its process group, so no rank tears down
@@ -41,6 +41,8 @@ from meshsim.harness.outcome import exception_fields
 
 #: Seconds between checks that the parent is still alive.
 ORPHAN_POLL_S = 0.5
+#: How long past the run's deadline a finished rank waits for its peers in teardown.
+TEARDOWN_MARGIN_S = 30.0
 
 
 def _watch_parent(parent: int) -> None:
@@ -81,23 +83,20 @@ def _torch_bindings() -> dict[tuple[str, str], int]:
     return found
 
 
-class _JobSink(recorder.FileSink):
-    """The job's ``FileSink``, which also keeps the rank's calls and counts point-to-point ones.
+class _JobSink(recorder.StreamSink):
+    """The job's ``StreamSink``, which also counts point-to-point calls.
 
-    The calls go back with the result, so the parent can compare every rank's recording as
-    the fake tier does (gloo tolerates some mismatches); a point-to-point call forbids
-    keeping the world.
+    The parent reads the stream as the rank runs (``meshsim.harness.gloo``); a point-to-point
+    call forbids keeping the world.
     """
 
-    def __init__(self, fd: int, world_size: int) -> None:
-        super().__init__(fd, world_size)
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
         self.p2p = 0
-        self.calls: list[recorder.Call] = []
 
     def enter(self, call: recorder.Call) -> None:
         if call.kind == "p2p":
             self.p2p += 1
-        self.calls.append(call)
         super().enter(call)
 
 
@@ -240,8 +239,10 @@ class Worker:
         os.chdir(spec["cwd"])
         stack_file = open(os.path.join(job_dir, f"stack-{rank}"), "w")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-        coll_fd = os.open(os.path.join(job_dir, f"coll-{rank}"), os.O_RDWR | os.O_CREAT, 0o600)
-        sink = _JobSink(coll_fd, world)
+        calls_fd = os.open(
+            os.path.join(job_dir, f"calls-{rank}"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600
+        )
+        sink = _JobSink(calls_fd)
         recorder.set_sink(sink, process_wide=True)
         deadline = time.monotonic() + spec["timeout"]
         store = None
@@ -249,15 +250,13 @@ class Worker:
         try:
             store = self.job_store(spec)
             outcome = self.run_body(spec, store, sink)
-            if outcome["status"] == "ok":
-                outcome["calls"] = sink.calls
             self.send("result", outcome)
             problems, kept = self.teardown(store, spec, outcome, sink, deadline)
         finally:
             recorder.set_sink(None, process_wide=True)
             faulthandler.register(signal.SIGUSR1, file=self.devnull, all_threads=True)
             stack_file.close()
-            os.close(coll_fd)
+            os.close(calls_fd)
             del store
         changed = sorted(
             k for k in set(os.environ) | set(body_env) if os.environ.get(k) != body_env.get(k)
@@ -296,7 +295,7 @@ class Worker:
         if world is not None and world.current():
             dist.destroy_process_group()
 
-    def run_body(self, spec: dict[str, Any], store: Any, sink: recorder.FileSink) -> dict:
+    def run_body(self, spec: dict[str, Any], store: Any, sink: recorder.StreamSink) -> dict:
         import torch
         import torch.distributed as dist
 
@@ -375,7 +374,9 @@ class Worker:
         marks: list[str] = []
         try:
             store.set(keys[rank], mark)
-            left = max(1.0, deadline - time.monotonic())
+            # Past the run's deadline: the parent stops a late job, never the ranks' own
+            # teardown (a rank giving up would break its peers' collectives mid-report).
+            left = max(1.0, deadline + TEARDOWN_MARGIN_S - time.monotonic())
             store.wait(keys, timedelta(seconds=left))
             marks = [store.get(k).decode() for k in keys]
         except Exception as exc:

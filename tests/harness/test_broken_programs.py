@@ -3,9 +3,15 @@
 Each program takes ``broken``: ``False`` is the correct twin (it must pass on every tier, so
 the checks cannot be trivially failing), ``True`` breaks it the way real training code breaks.
 Whatever a tier does with the broken program (torch's threaded backend pairs mismatched
-collectives and returns, gloo tolerates some mismatches and hangs on others, the fake backend
-returns at once), it must *report* it: a ``CollectiveDivergence`` naming the ranks, or a
-``RankTimeout`` naming the call each stuck rank is blocked in.
+collectives and returns, gloo tolerates some mismatches, hangs on others and crashes on
+others, the fake backend returns at once), it must report the same thing every time: a
+``CollectiveDivergence`` naming the ranks and the calls, never a ``RankFailure`` or
+``RankTimeout`` that depends on who lost a race.
+
+The timeout is generous on purpose: it is there only so that a harness regression fails
+instead of hanging the suite. A broken program that leaves ranks waiting forever is stopped
+as soon as the recordings prove the divergence, so no run here should come near it; the
+tests check that the run was stopped (status ``aborted``), not timed out.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from meshsim.errors import CollectiveDivergence, RankTimeout
+from meshsim.errors import CollectiveDivergence
 from meshsim.harness import run
 
 WORLD = 4
-#: Short: a hanging program costs this much on the threaded and gloo tiers (gloo's includes
-#: setting up the world, on a loaded machine).
-TIMEOUTS = {"fake": 10.0, "threaded": 5.0, "gloo": 15.0}
+#: Far above what any of these programs needs (under a second each), even on a loaded
+#: machine: reaching it means the harness failed to stop a deadlock.
+TIMEOUT = 300.0
 
 
 def mismatched_kind(broken: bool) -> None:
@@ -154,22 +160,22 @@ TIERS = ("fake", "threaded", "gloo")
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_correct_twin_passes(name: str, tier: str) -> None:
-    run(CASES[name].fn, WORLD, tier, timeout=TIMEOUTS[tier], args=(False,))
+    run(CASES[name].fn, WORLD, tier, timeout=TIMEOUT, args=(False,))
 
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_broken_program_is_reported(name: str, tier: str) -> None:
     case = CASES[name]
-    with pytest.raises((CollectiveDivergence, RankTimeout)) as info:
-        run(case.fn, WORLD, tier, timeout=TIMEOUTS[tier], args=(True,))
+    with pytest.raises(CollectiveDivergence) as info:
+        run(case.fn, WORLD, tier, timeout=TIMEOUT, args=(True,))
     err = info.value
     text = str(err)
-    if isinstance(err, RankTimeout):
-        assert tier != "fake", text  # the fake tier never blocks: it must compare
-        assert any(case.call in (c or "") for c in err.collectives.values()), text
-        return
     assert set(case.ranks) & set(err.ranks), text
     for rank in err.ranks:
         assert f"rank {rank} " in text, text
     assert case.text in text, text
+    assert not [o for o in err.outcomes if o.status == "timeout"], text
+    if err.consequence is not None:  # the run did not end normally: say how
+        assert err.consequence in text, text
+        assert all(o.status != "ok" or "returned" in err.consequence for o in err.outcomes)

@@ -71,11 +71,16 @@ def test_groups_kept_alive_by_a_cycle_do_not_pile_up_threads() -> None:
     the worker collects them."""
     from meshsim.harness.worker import _SPARE_THREADS
 
-    before = run(native_threads, 2, "gloo", timeout=60)
-    run(groups_in_a_cycle, 2, "gloo", timeout=120, args=(_SPARE_THREADS,))  # >= 1 thread each
-    after = run(native_threads, 2, "gloo", timeout=60)
-    assert [a[0][0] for a in after] == [b[0][0] for b in before]  # the same kept world
-    assert [a[1] for a in after] == [b[1] for b in before]
+    # One timeout for all three runs: it is part of the kept world's key, so each run gets
+    # the world the previous one kept (a different key would hand out other workers).
+    before = run(native_threads, 2, "gloo", timeout=120)
+    middle = run(groups_in_a_cycle, 2, "gloo", timeout=120, args=(_SPARE_THREADS,))
+    after = run(native_threads, 2, "gloo", timeout=120)
+    assert [m[0] for m in middle] == [b[0][0] for b in before]  # the same processes ...
+    assert all(m[1] > b[0][1] for m, b in zip(middle, before))  # ... on the same kept world
+    assert [a[0][0] for a in after] == [b[0][0] for b in before]
+    assert all(a[0][1] > m[1] for a, m in zip(after, middle))
+    assert [a[1] for a in after] == [b[1] for b in before]  # >= 256 threads each were freed
 
 
 def unmatched_send() -> tuple[int, int]:

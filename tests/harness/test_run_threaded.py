@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshsim.errors import MeshsimError, RankFailure, RankTimeout
+from meshsim.errors import CollectiveDivergence, MeshsimError, RankFailure, RankTimeout
 from meshsim.harness import RankContext, context, run
 
 
@@ -99,22 +99,45 @@ def test_hang_in_a_collective_times_out_with_stacks_and_collectives() -> None:
         import torch
         import torch.distributed as dist
 
-        if dist.get_rank() == 2:
-            group = dist.new_group([0, 1, 2])
-            dist.barrier()  # ranks 0 and 1 wait in all_reduce on the group instead
-            return
         group = dist.new_group([0, 1, 2])
+        if dist.get_rank() == 2:
+            while True:  # never reaches the all_reduce: slow, not diverged, so a timeout
+                time.sleep(0.01)
         dist.all_reduce(torch.ones(1), group=group)
 
-    with pytest.raises(RankTimeout) as info:
-        run(body, 3, "threaded", timeout=2)
+    with pytest.raises(RankTimeout) as info:  # 10 s: the world is surely up by then
+        run(body, 3, "threaded", timeout=10)
     err = info.value
     assert err.collectives[0] == err.collectives[1] == "all_reduce on group (0,1,2) (call #2)"
-    assert err.collectives[2] == "barrier on the world (call #2)"
+    assert err.collectives[2] is None
     assert "dist.all_reduce(torch.ones(1), group=group)" in err.stacks[0]
-    assert "dist.barrier()" in err.stacks[2]
+    assert "time.sleep(0.01)" in err.stacks[2]
     assert err.survivors == ()
     assert "rank 0: blocked in all_reduce on group (0,1,2)" in str(err)
+    assert "rank 2: not in a collective" in str(err)
+
+
+def test_a_deadlock_from_mismatched_calls_is_a_divergence_not_a_timeout() -> None:
+    """Rank 2 enters a barrier while its peers wait in an all_reduce: nobody can move again,
+    so the recordings are final and the report is the divergence, long before the deadline."""
+
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+
+        group = dist.new_group([0, 1, 2])
+        if dist.get_rank() == 2:
+            dist.barrier()
+            return
+        dist.all_reduce(torch.ones(1), group=group)
+
+    with pytest.raises(CollectiveDivergence) as info:
+        run(body, 3, "threaded", timeout=300)  # generous: the deadlock is found, not waited out
+    err = info.value
+    assert err.ranks == (0, 2) and err.group == (0, 1, 2) and err.index == 0
+    assert "rank 2 called barrier on the world at step 1 instead" in str(err)
+    assert [o.status for o in err.outcomes] == ["aborted"] * 3
+    assert "ranks 0, 1: stopped by the harness (in all_reduce on group (0,1,2)" in str(err)
 
 
 def test_a_thread_stuck_in_c_code_is_reported_as_a_survivor(
@@ -123,23 +146,27 @@ def test_a_thread_stuck_in_c_code_is_reported_as_a_survivor(
     from meshsim.harness import threaded
 
     monkeypatch.setattr(threaded, "JOIN_GRACE_S", 0.3)
+    release = threading.Event()
 
     def body() -> None:
         import torch
         import torch.distributed as dist
 
         if dist.get_rank() == 1:
-            time.sleep(3)  # C-level sleep: neither the abort nor an async exception reach it
+            release.wait()  # C-level wait: neither the abort nor an async exception reach it
         dist.all_reduce(torch.ones(1))
 
+    # 10 s: rank 1 is surely inside its wait by then, however loaded the machine; it stays
+    # there until the test releases it, so nothing below depends on timing.
     with pytest.raises(RankTimeout) as info:
-        run(body, 2, "threaded", timeout=0.5)
+        run(body, 2, "threaded", timeout=10)
     assert info.value.survivors == (1,)
     assert "rank 1 could not be stopped" in str(info.value)
-    with pytest.raises(MeshsimError, match="could not be stopped"):  # still asleep: refused
+    with pytest.raises(MeshsimError, match="could not be stopped"):  # still waiting: refused
         run(lambda: 7, 2, "threaded", timeout=0.2)
+    release.set()
     # A run with a longer timeout waits for the survivor (it wakes, is interrupted, exits).
-    assert run(lambda: 7, 2, "threaded", timeout=30) == [7, 7]
+    assert run(lambda: 7, 2, "threaded", timeout=60) == [7, 7]
 
 
 def test_pure_python_hang_is_interrupted() -> None:
@@ -150,8 +177,8 @@ def test_pure_python_hang_is_interrupted() -> None:
             while True:
                 pass
 
-    with pytest.raises(RankTimeout) as info:
-        run(body, 2, "threaded", timeout=1)
+    with pytest.raises(RankTimeout) as info:  # 10 s: rank 0 is surely in its loop by then
+        run(body, 2, "threaded", timeout=10)
     assert info.value.survivors == ()
     assert "while True" in info.value.stacks[0]
     assert [t.name for t in threading.enumerate() if t.name.startswith("meshsim-")] == []
