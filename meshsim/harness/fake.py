@@ -11,6 +11,7 @@ processes that would run concurrently).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from meshsim.harness import recorder
@@ -82,10 +83,9 @@ class FakeBackend:
 
 def _run_rank(job: Job, rank: int, sink: RankSink) -> RankOutcome:
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     ctx = RankContext(rank=rank, world_size=job.world_size, backend="fake", device="cpu")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=job.world_size)
+    dist.init_process_group("fake", store=_store(), rank=rank, world_size=job.world_size)
     recorder.set_sink(sink)
     watchdog = Watchdog(job.timeout)
     try:
@@ -104,3 +104,21 @@ def _run_rank(job: Job, rank: int, sink: RankSink) -> RankOutcome:
         return RankOutcome(rank, value=value)
     finally:
         recorder.set_sink(None)
+
+
+@functools.cache
+def _store_type() -> type:
+    """A store whose every operation raises, as torch's ``FakeStore`` did up to 2.14.
+
+    torch 2.15 made ``FakeStore`` a C++ store that answers every ``get`` with empty bytes: a
+    real backend asked for on the fake tier (``backend_override={"tp": "gloo"}``) then
+    rendezvoused on garbage and crashed the process. With this store it raises, as before.
+    """
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
+
+    return type("FakeStore", (dist.Store,), {})
+
+
+def _store() -> Any:
+    return _store_type()()

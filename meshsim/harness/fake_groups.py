@@ -79,23 +79,23 @@ class NonMemberFastPath:
     # ------------------------------------------------------------------ the replacement
 
     def _init_one_process_group(
-        self, sub_layout: Any, rank_map: Any, dim_name: str, backend_override: Any
+        self, sub_layout: Any, rank_map: Any, dim_name: str, backend_override: Any, *extra: Any
     ) -> Any:
         """torch's method, with the non-member rows of the dim done in one step."""
         original = self._original.__func__
-        if not self._applies(sub_layout, backend_override):
-            return original(sub_layout, rank_map, dim_name, backend_override)
+        if any(extra) or not self._applies(sub_layout, backend_override):
+            return original(sub_layout, rank_map, dim_name, backend_override, *extra)
         import torch.distributed.distributed_c10d as c10d
 
         plan = self._plan(sub_layout, rank_map, dim_name)
         default = c10d._get_default_group()
         hit = plan.row_of.get(default.rank()) if plan is not None else None
         if plan is None or hit is None or default.size() <= max(plan.row_of):
-            return original(sub_layout, rank_map, dim_name, backend_override)
+            return original(sub_layout, rank_map, dim_name, backend_override, *extra)
         world = c10d._world
         first = world.group_count
         if _name_clash(world, first, len(plan.rows)):
-            return original(sub_layout, rank_map, dim_name, backend_override)
+            return original(sub_layout, rank_map, dim_name, backend_override, *extra)
         self._skip_rows(plan, 0, hit)
         group = self._new_group(ranks=list(plan.rows[hit]), group_desc=f"mesh_{dim_name}")
         self._skip_rows(plan, hit + 1, len(plan.rows))

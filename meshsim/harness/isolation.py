@@ -47,34 +47,22 @@ def _private_world_class(c10d: Any) -> type:
     attribute read, where torch's ``ThreadLocalWorld`` does a thread-local lookup per
     attribute (a fifth of the fake tier's time at world 1,024 went there).
     """
-    fields = (
-        "default_pg",
-        "pg_map",
-        "pg_names",
-        "pg_group_ranks",
-        "pg_backend_config",
-        "group_count",
-        "tags_to_pg",
-        "pg_to_tag",
-        "pg_coalesce_state",
-        "comms",
+    probe = c10d._World()
+    fields = tuple(
+        name
+        for name, attr in vars(c10d._World).items()
+        if isinstance(attr, property) and name != "pg_config_info"
     )
 
-    def __init__(self: Any) -> None:
-        self.__dict__.update(
-            default_pg=None,
-            pg_map={},
-            pg_names={},
-            pg_group_ranks={},
-            pg_backend_config={},
-            group_count=0,
-            tags_to_pg={},
-            pg_to_tag={},
-            pg_coalesce_state={},
-            comms=[],
-        )
+    def _empty(name: str) -> Any:
+        if name == "default_pg":
+            return None
+        value = getattr(probe, name)
+        return type(value)() if isinstance(value, (dict, list, int)) else None
 
-    # Plain class attributes shadow _World's properties, so the instance dict is used.
+    def __init__(self: Any) -> None:
+        self.__dict__.update({name: _empty(name) for name in fields})
+
     namespace: dict[str, Any] = dict.fromkeys(fields)
     namespace["__init__"] = __init__
     namespace["pg_config_info"] = c10d._World.pg_config_info
