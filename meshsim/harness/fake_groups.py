@@ -147,11 +147,14 @@ class NonMemberFastPath:
 
 def _make_plan(sub_layout: Any, rank_map: Any, dim_name: str) -> _Plan | None:
     """Rows of the dim as torch computes them; ``None`` unless every rank is in one valid row."""
-    from torch.distributed._mesh_layout import _MeshLayout
+    import torch.distributed._mesh_layout as mesh_layout
 
-    rows = tuple(
-        tuple(sorted(row)) for row in _MeshLayout([sub_layout]).remap_to_tensor(rank_map).tolist()
-    )
+    # torch >= 2.13 passes one axis (``_FlatLayout``) to be wrapped in a ``_MeshLayout``;
+    # torch 2.10-2.12's ``_MeshLayout`` is itself the (shape, stride) axis.
+    axis = sub_layout
+    if hasattr(mesh_layout, "_FlatLayout"):
+        axis = mesh_layout._MeshLayout([sub_layout])
+    rows = tuple(tuple(sorted(row)) for row in axis.remap_to_tensor(rank_map).tolist())
     row_of: dict[int, int] = {}
     for index, row in enumerate(rows):
         if len(set(row)) != len(row) or (row and row[0] < 0):

@@ -244,9 +244,10 @@ def test_rank_output_is_forwarded(capfd: pytest.CaptureFixture[str]) -> None:
 def test_nccl_without_gpus_raises_not_enough_gpus() -> None:
     import torch
 
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has GPUs")
-    with pytest.raises(NotEnoughGPUs, match=r"world_size=2 needs 2 GPUs .* has 0"):
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found >= 2:
+        pytest.skip("this machine has 2 GPUs")
+    with pytest.raises(NotEnoughGPUs, match=rf"world_size=2 needs 2 GPUs .* has {found};"):
         run(lambda: 0, 2, "nccl")
 
 
@@ -267,6 +268,28 @@ def test_nccl_all_reduce_on_real_gpus() -> None:  # pragma: no cover - no GPU in
         return context().device, t.item()
 
     assert run(body, 2, "nccl", timeout=120) == [("cuda:0", 2.0), ("cuda:1", 2.0)]
+
+
+@pytest.mark.skipif(_cuda_devices() < 1, reason="needs a GPU (real NCCL, nothing mocked)")
+def test_nccl_on_one_gpu_runs_collectives_and_reports_a_failing_rank() -> None:  # pragma: no cover
+    """What one GPU can prove of the nccl tier: a real NCCL world comes up on cuda:0, runs a
+    collective, and a rank that raises is a RankFailure naming it (checked on an H100)."""
+
+    def body() -> tuple:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.full((4,), 3.0, device=context().device)
+        dist.all_reduce(t)
+        return dist.get_backend(), context().device, t.tolist()
+
+    assert run(body, 1, "nccl", timeout=120) == [("nccl", "cuda:0", [3.0] * 4)]
+
+    def fails() -> None:
+        raise ValueError("rank says no")
+
+    with pytest.raises(RankFailure, match="rank 0: ValueError: rank says no"):
+        run(fails, 1, "nccl", timeout=120)
 
 
 def test_shutdown_leaves_nothing_behind() -> None:

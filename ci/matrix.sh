@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Runs the default suite and the main job on each torch release, one venv per release.
+#
+# Usage: bash ci/matrix.sh [VERSION ...]   (default: 2.6.0 2.9.1 2.10.0 2.13.0 2.14.1 2.15.0)
+#
+# Each release gets its own venv, .venvs/torch-<version> (MESHSIM_VENVS sets the folder),
+# created on first use and reused after. torch is installed first and pinned: meshsim and its
+# test extras are installed with a constraint on that exact torch, so pip never swaps it.
+# Releases with no CPU wheel on the configured indexes come as the CUDA build (2-5 GB, runs on
+# the CPU). The real frameworks are not installed (tests/real skips); the suite is the README's
+# test command without them, the main job `meshsim sweep --world-size 8 --communicate 2`.
+# Prints a table (torch, suite, main job, minutes) and saves it with the logs under
+# benchmarks/results/matrix-<date>/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+venvs=${MESHSIM_VENVS:-$root/.venvs}
+versions=("$@")
+[ ${#versions[@]} -eq 0 ] && versions=(2.6.0 2.9.1 2.10.0 2.13.0 2.14.1 2.15.0)
+out="benchmarks/results/matrix-$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$out" "$venvs"
+
+summary() {  # the pytest summary line of a log, without the '=' rulers
+    grep -E '(passed|failed|error).* in [0-9.]+s' "$1" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//'
+}
+
+rows=()
+for v in "${versions[@]}"; do
+    venv="$venvs/torch-$v"
+    py="$venv/bin/python"
+    log="$out/torch-$v"
+    start=$SECONDS
+    echo "== torch $v ($venv) =="
+    [ -x "$py" ] || python3 -m venv "$venv"
+    have=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+    if [ "$have" != "$v" ]; then
+        "$py" -m pip install --quiet --disable-pip-version-check "torch==$v" >"$log-install.log" 2>&1 \
+            || { rows+=("| $v | install failed (see $log-install.log) | - | - |"); continue; }
+    fi
+    "$py" -m pip install --quiet --disable-pip-version-check -c <(echo "torch==$v") -e ".[test]" \
+        >>"$log-install.log" 2>&1 \
+        || { rows+=("| $v | meshsim install failed (see $log-install.log) | - | - |"); continue; }
+    "$py" -m pytest -m "not slow" --ignore=tests/real -n 2 -q -p no:cacheprovider \
+        >"$log-suite.log" 2>&1 || true
+    main="ok"
+    "$venv/bin/meshsim" sweep --world-size 8 --communicate 2 >"$log-main.log" 2>&1 \
+        || main="failed (rc $?)"
+    built=$("$py" -c 'import torch; print(torch.__version__)')
+    rows+=("| $built | $(summary "$log-suite.log") | $main | $(((SECONDS - start) / 60)) |")
+done
+
+{
+    echo "ci/matrix.sh, $(date +%Y-%m-%d), $(nproc) cores"
+    echo
+    echo "| torch | default suite (no tests/real) | main job | minutes |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+} | tee "$out/table.md"
