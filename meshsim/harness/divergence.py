@@ -291,7 +291,20 @@ class Comparison:
             candidates.append(self.creation_divergence)
         if not candidates:
             return None
-        div = min(candidates, key=lambda d: (d.first_step(), d.kind != "creation"))
+        # Earliest first; ties broken on content alone (a set's order may change between
+        # processes), preferring a named group to the world.
+        div = min(
+            candidates,
+            key=lambda d: (
+                d.first_step(),
+                d.kind != "creation",
+                d.group is None,
+                d.group or (),
+                d.index,
+                d.rank_a,
+                d.rank_b,
+            ),
+        )
         hang = "on a real backend these ranks would hang here"
         if div.kind == "creation":
             what = f"the world-synchronised group creations at index {div.index}"
