@@ -67,6 +67,7 @@ class _Rank:
         self.kept = False  # the worker kept its world process group for the next job
         self.stream: recorder.StreamReader | None = None  # its calls, as it makes them
         self.stopped = False  # still in the body when the harness stopped the run
+        self.cut: tuple[int, Any] = (0, None)  # (calls, call it was in) when it was stopped
 
     @property
     def in_body(self) -> bool:
@@ -208,10 +209,22 @@ class ProcessBackend:
         received, a short message into a larger buffer, two collectives gloo happens to
         pair), hung on it or crashed on it; the recordings tell all three the same way.
         """
+        calls: dict[int, list] = {}
         for r in ranks:
-            r.stream.poll()  # type: ignore[union-attr]
-        calls = {r.rank: r.stream.calls for r in ranks}  # type: ignore[union-attr]
-        blocked = {r.rank: r.stream.current for r in ranks if r.stopped}  # type: ignore[union-attr]
+            stream = r.stream
+            assert stream is not None
+            stream.poll()
+            if stream.corrupt or (r.result is not None and r.result.get("recording_lost")):
+                raise MeshsimError(
+                    f"rank {r.rank}'s recording of its calls was lost (a write to its job "
+                    "dir failed, e.g. a full disk, or the file is damaged), so the harness "
+                    "cannot tell whether the ranks agreed; free space in the temp dir and "
+                    "run again"
+                )
+            # A stopped rank is judged as it was when stopped: killing its peers makes it
+            # raise, and what its handlers call then is the harness's doing, not the body's.
+            calls[r.rank] = stream.calls[: r.cut[0]] if r.stopped else stream.calls
+        blocked = {r.rank: r.cut[1] for r in ranks if r.stopped}
         return judge(job.world_size, calls, outcomes, blocked)
 
     def _send_job(self, r: _Rank, spec: dict[str, Any]) -> None:
@@ -242,6 +255,8 @@ class ProcessBackend:
         in_body = [r for r in live if r.result is None]
         for r in in_body:
             r.stopped = True
+            r.stream.poll()  # type: ignore[union-attr]
+            r.cut = (len(r.stream.calls), r.stream.blocked_in)  # type: ignore[union-attr]
             with contextlib.suppress(ProcessLookupError):
                 os.kill(r.worker.pid, signal.SIGUSR1)
         paths = {r.rank: os.path.join(job_dir, f"stack-{r.rank}") for r in in_body}
@@ -257,7 +272,6 @@ class ProcessBackend:
             time.sleep(0.05)
         for r in in_body:
             stack = _read(paths[r.rank]) or "(no stack: the process did not answer SIGUSR1)\n"
-            r.stream.poll()  # type: ignore[union-attr]
             info[r.rank] = (_faulthandler_to_text(stack), r.stream.where())  # type: ignore[union-attr]
         for r in live:  # only now: a killed peer makes the others leave their collective
             r.worker.kill()
@@ -313,7 +327,7 @@ def _state(ranks: list[_Rank]) -> tuple[dict[int, list], list[int], dict[int, An
     for r in ranks:
         r.stream.poll()  # type: ignore[union-attr]
     calls = {r.rank: r.stream.calls for r in ranks}  # type: ignore[union-attr]
-    return calls, returned, {r.rank: r.stream.current for r in body}  # type: ignore[union-attr]
+    return calls, returned, {r.rank: r.stream.blocked_in for r in body}  # type: ignore[union-attr]
 
 
 class GlooBackend(ProcessBackend):

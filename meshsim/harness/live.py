@@ -34,9 +34,12 @@ class LiveTable:
         self._lock = threading.Lock()
         self._first: dict[tuple, tuple[int, Call]] = {}
         self.divergence: CollectiveDivergence | None = None
+        self.closed = False  # the harness is stopping the run: later calls are not the body's
 
     def check(self, rank: int, slot: tuple, index: int, call: Call) -> None:
         with self._lock:
+            if self.closed:
+                return
             if self.divergence is not None:  # the run is already broken: do not start more
                 raise self.divergence
             seen = self._first.setdefault(slot, (rank, call))
@@ -118,7 +121,10 @@ def replay(
     by_rank = dict(sequences)
     order = sorted(by_rank)
     if final is not None and order:
-        first = next((r for r in order if r in final), max(order, key=lambda r: len(by_rank[r])))
+        first = next(
+            (r for r in order if r in final),
+            max(order, key=lambda r: sum(c.kind == "create" for c in by_rank[r])),
+        )
         order.remove(first)
         order.insert(0, first)
     comparison = Comparison(world_size)
@@ -144,8 +150,9 @@ def judge(
     are final, so are the deadlocked ones (``meshsim.harness.deadlock``); a rank that raised
     or died was cut short.
     """
-    stuck = deadlocked(world_size, calls, blocked)
-    final = stuck | {o.rank for o in outcomes if o.ok}
+    returned = {o.rank for o in outcomes if o.ok}
+    stuck = deadlocked(world_size, calls, blocked, returned)
+    final = stuck | returned
     comparison = replay(world_size, sorted(calls.items()), final=final, stuck=stuck)
     return comparison.divergence(outcomes)
 
@@ -189,8 +196,8 @@ class DivergenceWatch:
             return None
         self._judged = state
         start = time.monotonic()
-        stuck = deadlocked(self.world_size, calls, blocked)
-        self.standstill = len(stuck) == len(blocked)
+        stuck = deadlocked(self.world_size, calls, blocked, returned)
+        self.standstill = len(deadlocked(self.world_size, calls, blocked)) == len(blocked)
         if stuck:
             final = stuck | set(returned)
             comparison = replay(self.world_size, sorted(calls.items()), final=final, stuck=stuck)

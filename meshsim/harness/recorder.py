@@ -13,7 +13,6 @@ recorded. Modules under ``torch.distributed`` are re-bound at install time.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import sys
@@ -102,6 +101,8 @@ class Call:
     tensor shape and dtype for collectives whose inputs torch requires to match on every rank
     (``None`` where sizes may legitimately differ: uneven all_to_all, ``*_object``). ``ops``:
     for a point-to-point call, its messages (one, or one per op of ``batch_isend_irecv``).
+    ``async_op``: the call returns a work or tensor to wait on later, so the rank is not
+    blocked inside it (not compared between ranks).
     """
 
     kind: str
@@ -111,6 +112,7 @@ class Call:
     local: bool = False
     meta: str | None = None
     ops: tuple[Any, ...] = ()
+    async_op: bool = False  # returns before its peers arrive (async_op=True, functional)
 
     def describe(self, world_size: int | None = None) -> str:
         where = format_group(self.group, world_size)
@@ -208,7 +210,8 @@ def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: d
                 detail = "to" if op in ("send", "isend", "send_object_list") else "from"
                 detail += f" rank {peer}"
         meta = _tensor_meta(bound.get(SHAPED[op])) if op in SHAPED else None
-        return Call(kind, op, group, detail, meta=meta, ops=messages)
+        async_op = op.endswith("(functional)") or bool(bound.get("async_op", False))
+        return Call(kind, op, group, detail, meta=meta, ops=messages, async_op=async_op)
     except Exception as exc:  # describing must never break the call itself
         return Call(kind, op, None, f"group unknown: {type(exc).__name__}")
 
@@ -374,12 +377,17 @@ class StreamSink(TrackingSink):
     each call is written *before* it is issued (and a marker after it returns), so the parent
     sees the call a rank is blocked in and every call before it, whatever ends the run. One
     ``write`` per record on an ``O_APPEND`` descriptor: a killed process leaves whole records
-    (``StreamReader`` ignores a torn last one).
+    (``StreamReader`` ignores a torn last one). Each record names its thread, and whether the
+    body had started threads of its own by then (``extra_threads``, counted against
+    ``baseline_threads``): the parent then cannot tell which thread a rank waits in.
+    ``broken``: a write failed (disk full), so the recording cannot be trusted.
     """
 
     def __init__(self, fd: int) -> None:
         super().__init__()
         self._fd = fd
+        self.baseline_threads = threading.active_count()
+        self.broken = False
 
     def _write(self, record: tuple) -> None:
         import os
@@ -387,38 +395,62 @@ class StreamSink(TrackingSink):
         import struct
 
         data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-        with contextlib.suppress(OSError):
+        try:
             os.write(self._fd, struct.pack("<I", len(data)) + data)
+        except OSError:
+            self.broken = True
 
     def enter(self, call: Call) -> None:
         super().enter(call)
-        self._write(("enter", call))
+        extra = threading.active_count() > self.baseline_threads
+        self._write(("enter", call, threading.get_ident(), extra))
 
     def exit(self, call: Call, error: BaseException | None = None) -> None:
         super().exit(call, error)
-        self._write(("exit", error is not None))
+        self._write(("exit", error is not None, threading.get_ident(), False))
 
 
 class StreamReader:
     """The parent's view of one rank's ``StreamSink`` file, read incrementally.
 
-    ``calls``: every call the rank entered, in order; ``current``: the call it is inside now
-    (``None`` between calls); ``raised_in``: the call the last exception came out of.
+    ``calls``: every call the rank entered, in order; ``current``: the call it entered last
+    and has not left (``None`` between calls); ``blocked_in``: the same, but only while the
+    rank is known to run one thread (else ``None``: it may be moving in another);
+    ``raised_in``: the call the last exception came out of; ``corrupt``: the file could not
+    be parsed.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.calls: list[Call] = []
-        self.current: Call | None = None
         self.raised_in: Call | None = None
+        self.corrupt = False
+        self._open: dict[int, Call] = {}  # thread -> the call it is inside
+        self._last: int | None = None  # the thread that entered a call last
+        self._threads: set[int] = set()
+        self._extra = False
         self._offset = 0
         self._buffer = b""
+
+    @property
+    def current(self) -> Call | None:
+        if self._last is not None and self._last in self._open:
+            return self._open[self._last]
+        return next(reversed(self._open.values()), None)
+
+    @property
+    def blocked_in(self) -> Call | None:
+        if self._extra or len(self._threads) > 1:
+            return None
+        return self.current
 
     def poll(self) -> bool:
         """Read what was appended since the last poll; True when there was anything."""
         import pickle
         import struct
 
+        if self.corrupt:
+            return False
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
@@ -434,22 +466,30 @@ class StreamReader:
             (size,) = struct.unpack_from("<I", buf, pos)
             if len(buf) - pos - 4 < size:
                 break
-            kind, value = pickle.loads(buf[pos + 4 : pos + 4 + size])
+            try:
+                kind, value, thread, extra = pickle.loads(buf[pos + 4 : pos + 4 + size])
+            except Exception:
+                self.corrupt = True
+                return True
             pos += 4 + size
+            self._threads.add(thread)
+            self._extra = self._extra or extra
             if kind == "enter":
                 self.calls.append(value)
-                self.current = value
+                self._open[thread] = value
+                self._last = thread
             else:
-                self.raised_in = self.current if value else None
-                self.current = None
+                done = self._open.pop(thread, None)
+                self.raised_in = done if value else None
         self._buffer = buf[pos:]
         return True
 
     def where(self, world_size: int | None = None) -> str | None:
         """``all_reduce on group (0,1) (call #3)`` while inside a call, else ``None``."""
-        if self.current is None:
+        current = self.current
+        if current is None:
             return None
-        return f"{self.current.describe(world_size)} (call #{len(self.calls)})"
+        return f"{current.describe(world_size)} (call #{len(self.calls)})"
 
     def raised_where(self, world_size: int | None = None) -> str | None:
         """The call the rank's exception came out of, if it came out of one."""

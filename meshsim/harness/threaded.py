@@ -134,6 +134,7 @@ class _Run:
         self.ranks = [_Rank(self, r) for r in range(job.world_size)]
         self.watch = DivergenceWatch(job.world_size)
         self.blocked: dict[int, Any] = {}  # rank -> the call it was in when stopped
+        self.cut: dict[int, int] = {}  # rank -> how many calls it had made when stopped
 
     def alive(self) -> list[_Rank]:
         return [r for r in self.ranks if r.thread.is_alive()]
@@ -178,7 +179,11 @@ class _Run:
     def stop(self, status: str) -> tuple[int, ...]:
         """Stop every live rank; returns the ranks whose threads would not stop."""
         live = self.alive()
+        # What each rank did up to now is what is judged: aborting the world makes the ranks
+        # raise, and what their handlers call then is the harness's doing, not the body's.
+        self.table.closed = True
         self.blocked = {r.rank: r.sink.current for r in live if r.outcome is None}
+        self.cut = {r.rank: len(r.sink.calls) for r in live if r.outcome is None}
         for r in live:
             r.report(
                 RankOutcome(
@@ -257,7 +262,7 @@ class ThreadedBackend:
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
         # The recordings are judged first, however the run ended (hook: the same comparison
         # as the fake tier's, on final and cut-short recordings alike).
-        calls = {r.rank: r.sink.calls for r in run.ranks}
+        calls = {r.rank: r.sink.calls[: run.cut.get(r.rank)] for r in run.ranks}
         divergence = judge(job.world_size, calls, outcomes, run.blocked)
         divergence = divergence or run.watch.found or run.table.divergence
         if divergence is not None:

@@ -250,6 +250,7 @@ class Worker:
         try:
             store = self.job_store(spec)
             outcome = self.run_body(spec, store, sink)
+            outcome["recording_lost"] = sink.broken
             self.send("result", outcome)
             problems, kept = self.teardown(store, spec, outcome, sink, deadline)
         finally:

@@ -93,3 +93,24 @@ def test_a_deadlocked_rank_s_missing_call_is_evidence() -> None:
     found = judge(2, calls, outcomes, blocked_in_last(calls, [0, 1]))
     assert found is not None and found.group in ((0, 1), None)
     assert "rank 1 called barrier on the world at step 0 instead" in str(found)
+
+
+def test_a_rank_that_raised_may_have_released_its_waiting_peers() -> None:
+    """Rank 0 raised; rank 1 waits in (0,1), rank 2 in the world: for the final set rank 0
+    might have moved, so neither is final; for a standstill nobody can move."""
+    calls = {0: [], 1: [coll("all_reduce", (0, 1))], 2: [coll("all_reduce")]}
+    blocked = blocked_in_last(calls, [1, 2])
+    assert deadlocked(3, calls, blocked, returned=()) == set()
+    assert deadlocked(3, calls, blocked) == {1, 2}
+
+
+def test_async_and_rooted_calls_and_buffered_sends_count_as_moving() -> None:
+    asynchronous = Call("collective", "all_reduce", None, async_op=True)
+    calls = {0: [asynchronous], 1: [coll("barrier", (0, 1))]}
+    assert deadlocked(2, calls, blocked_in_last(calls, [0, 1]), returned=()) == set()
+    calls = {0: [coll("broadcast")], 1: [coll("all_reduce")]}
+    assert 0 not in deadlocked(2, calls, blocked_in_last(calls, [0, 1]), returned=())
+    calls = {0: [p2p("send", 1)], 1: [coll("barrier", (0, 1))]}
+    assert deadlocked(2, calls, blocked_in_last(calls, [0, 1]), returned=()) == set()
+    calls = {0: [p2p("send", 1)], 1: []}
+    assert deadlocked(2, calls, {0: calls[0][-1]}, returned=(1,)) == {0}  # 1 never takes it
