@@ -10,7 +10,8 @@
 # the CPU). The real frameworks are not installed (tests/real skips); the suite is the README's
 # test command without them, the main job `meshsim sweep --world-size 8 --communicate 2`.
 # Prints a table (torch, suite, main job, minutes) and saves it with the logs under
-# benchmarks/results/matrix-<date>/.
+# benchmarks/results/matrix-<date>/. MESHSIM_MATRIX_TESTS narrows the suite (pytest paths or
+# -k expressions, e.g. "tests/harness"), for a quick look at one release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -40,8 +41,9 @@ for v in "${versions[@]}"; do
     "$py" -m pip install --quiet --disable-pip-version-check -c <(echo "torch==$v") -e ".[test]" \
         >>"$log-install.log" 2>&1 \
         || { rows+=("| $v | meshsim install failed (see $log-install.log) | - | - |"); continue; }
+    # shellcheck disable=SC2086 - MESHSIM_MATRIX_TESTS is a list of pytest arguments
     "$py" -m pytest -m "not slow" --ignore=tests/real -n 2 -q -p no:cacheprovider \
-        >"$log-suite.log" 2>&1 || true
+        ${MESHSIM_MATRIX_TESTS:-} >"$log-suite.log" 2>&1 || true
     main="ok"
     "$venv/bin/meshsim" sweep --world-size 8 --communicate 2 >"$log-main.log" 2>&1 \
         || main="failed (rc $?)"
