@@ -115,6 +115,12 @@ def diff(args: argparse.Namespace) -> int:
     a, b = sides
     roles = compare_roles(a, b)
     kinds = compare_kinds(a, b) if a.framework == b.framework else []
+    if not [c for c in roles + kinds if c.shape_a is not None and c.shape_b is not None]:
+        raise UsageError(
+            f"A ({a.framework}) and B ({b.framework}) share no role or kind, so nothing was "
+            "compared; pick layouts that both define a role (data_parallel, "
+            "gradient_reduce, ...) or the same framework"
+        )
     differ = any_difference(roles) or any_difference(kinds)
     if args.json:
         render.print_json(

@@ -39,6 +39,8 @@ TRANSLATION: Final[Mapping[str, tuple[str, ...]]] = {
 
 #: Config keys whose every flag occurrence is one list item (never split at commas).
 LIST_KEYS: Final = frozenset({"ops"})
+#: Keys whose value is a tuple even when one item is given (``--mesh-shape 8`` is ``(8,)``).
+TUPLE_KEYS: Final = frozenset({"mesh_shape", "mesh_dim_names"})
 _PREFIX: Final = "cfg:"
 _DEGREE_PREFIX: Final = "deg:"
 
@@ -211,6 +213,8 @@ def native_settings(namespace: argparse.Namespace) -> dict[str, Any]:
         if dest.startswith(_PREFIX) and value is not None:
             key = dest[len(_PREFIX) :]
             out[key] = tuple(value) if key in LIST_KEYS else parse_value(value)
+            if key in TUPLE_KEYS and not isinstance(out[key], tuple):
+                out[key] = (out[key],)
     for text in namespace.settings:
         key, value = parse_setting(text)
         if key in LIST_KEYS and key in out:

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
-from meshsim.errors import LayoutError, UsageError
+from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
 
 VERBS = ("show", "diff", "verify", "sweep", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
@@ -377,6 +377,29 @@ def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return actions
 
 
+#: Options that name a file the verb writes (``--json`` only where it takes a FILE).
+_OUTPUTS = (("svg", "--svg"), ("png", "--png"), ("json", "--json"), ("junit_xml", "--junit-xml"))
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before any work starts (a sweep takes
+    minutes: finding a typo in ``--json`` at its end loses them)."""
+    for attr, flag in _OUTPUTS:
+        path = getattr(args, attr, None)
+        if not isinstance(path, str) or path == "-":
+            continue
+        target = os.path.abspath(path)
+        folder = os.path.dirname(target)
+        if os.path.isdir(target):
+            raise UsageError(f"{flag} {path}: is a directory; give a file name")
+        if not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: the directory {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"{flag} {path}: the directory {folder} is not writable")
+        if os.path.exists(target) and not os.access(target, os.W_OK):
+            raise UsageError(f"{flag} {path}: the file is not writable")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``meshsim`` console script; returns the exit code."""
     args_in = list(sys.argv[1:] if argv is None else argv)
@@ -389,10 +412,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb is None:
             parser.print_help()
             return 2
+        _check_outputs(args)
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
-    except (LayoutError, UsageError) as exc:
+    except (LayoutError, UsageError, NotEnoughGPUs) as exc:
         _fail(" ".join(str(exc).split()) or type(exc).__name__)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        if exc.filename is None:
+            raise
+        _fail(f"cannot write {exc.filename}: {exc.strerror}")
     except KeyboardInterrupt:
         sys.stderr.write("meshsim: interrupted\n")
         return 130

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -118,8 +119,12 @@ def test_help_lists_the_framework_flags() -> None:
     assert "--num-mp" in result.stdout and "--use-data-before-expert-parallel " in result.stdout
 
 
-def test_picture_of_a_huge_world_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_picture_of_a_huge_world_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = tmp_path / "x.svg"
     with pytest.raises(SystemExit) as exit_info:
-        main(["show", "megatron", "-n", "8192", "--tp", "8", "--svg", "/nonexistent/x.svg"])
+        main(["show", "megatron", "-n", "8192", "--tp", "8", "--svg", str(target)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "world size 8192 is over 4096" in err
+    assert not target.exists()

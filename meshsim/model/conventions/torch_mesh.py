@@ -114,7 +114,13 @@ def _root_layout(world_size: int, config: Mapping[str, Any]) -> Layout:
                 upstream="RuntimeError",
             )
         return layout
-    shape = tuple(config.get("mesh_shape", (world_size,)))
+    raw = config.get("mesh_shape", (world_size,))
+    if isinstance(raw, int) or not hasattr(raw, "__iter__"):
+        raise LayoutError(
+            f"mesh_shape must be a tuple of dim sizes, got {raw!r} (a 1-D mesh is ({raw!r},))",
+            upstream="TypeError",
+        )
+    shape = tuple(raw)
     names = config.get("mesh_dim_names")
     if names is None:
         names = ("world",) if len(shape) == 1 else tuple(f"dim{i}" for i in range(len(shape)))
