@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -410,14 +411,18 @@ def list_conventions(args: argparse.Namespace) -> int:
         for title in ("config key", "flag", "meaning"):
             keys.add_column(title, no_wrap=title != "meaning")
         for key in entry["config_keys"]:
-            keys.add_row(key["key"], key["flag"], key["help"])
+            keys.add_row(*(escape(str(key[k])) for k in ("key", "flag", "help")))
         out.print(keys)
         kinds = Table(header_style="bold")
         for title in ("kind", "roles", f"in layouts (of {entry['layouts']})", "description"):
             kinds.add_column(title, no_wrap=title != "description")
         for kind in entry["kinds"]:
+            # Kind names carry brackets (``hyper_comm_grid[tp]``) that rich reads as markup.
             kinds.add_row(
-                kind["name"], ", ".join(kind["roles"]), str(kind["layouts"]), kind["description"]
+                escape(kind["name"]),
+                ", ".join(kind["roles"]),
+                str(kind["layouts"]),
+                escape(kind["description"]),
             )
         out.print(kinds)
     return 0

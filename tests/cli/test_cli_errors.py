@@ -66,3 +66,13 @@ def test_a_scalar_mesh_shape_in_the_api_is_refused_as_torch_refuses_it() -> None
     with pytest.raises(LayoutError, match="mesh_shape must be a tuple") as info:
         expect("torch", 4, mesh_shape=4)
     assert info.value.upstream == "TypeError"  # init_device_mesh("cpu", 4): TypeError
+
+
+def test_list_keeps_the_brackets_of_kind_names() -> None:
+    """rich read ``[tp]`` as markup: 15 rows all said ``hyper_comm_grid``."""
+    result = run_cli("list", "megatron")
+    assert result.returncode == 0, result.stderr
+    assert "hyper_comm_grid[tp]" in result.stdout
+    names = [line.split("│")[1].strip() for line in result.stdout.splitlines() if "│ hyper" in line]
+    kinds = [n for n in names if n.startswith("hyper_comm_grid[")]
+    assert len(kinds) == len(set(kinds)) > 1
