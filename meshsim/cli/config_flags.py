@@ -237,8 +237,19 @@ def shared_degrees(namespace: argparse.Namespace) -> dict[str, int]:
 def config_for(
     framework: str, world_size: int, native: Mapping[str, Any], degrees: Mapping[str, int]
 ) -> dict[str, Any]:
-    """One framework's config: the shared degrees translated, then its own settings on top."""
+    """One framework's config: the shared degrees translated, then its own settings on top.
+
+    A shared degree and the framework's own flag for the same parameter must agree
+    (``--tp 2 --tensor-model-parallel-size 4`` is refused, naming both flags).
+    """
     config = translate(framework, world_size, degrees) if degrees else {}
+    for key, value in native.items():
+        degree = degree_of(framework, key)
+        if degree in degrees and config.get(key, value) != value:
+            raise UsageError(
+                f"{flag(degree)} {degrees[degree]} and {flag(key)} {value} set the same "
+                f"{framework} parameter {key!r} to different values; give one of them"
+            )
     config.update(native)
     return config
 

@@ -76,3 +76,10 @@ def test_list_keeps_the_brackets_of_kind_names() -> None:
     names = [line.split("│")[1].strip() for line in result.stdout.splitlines() if "│ hyper" in line]
     kinds = [n for n in names if n.startswith("hyper_comm_grid[")]
     assert len(kinds) == len(set(kinds)) > 1
+
+
+def test_a_shared_degree_and_the_native_flag_must_agree() -> None:
+    both = ("show", "megatron", "-n", "8", "--tp", "2", "--tensor-model-parallel-size")
+    _one_line_refusal(run_cli(*both, "4"), "--tp 2", "--tensor-model-parallel-size 4")
+    same = run_cli(*both, "2")
+    assert same.returncode == 0, same.stderr
