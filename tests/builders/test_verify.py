@@ -118,8 +118,10 @@ def test_real_framework_hook_says_which_extra_to_install(monkeypatch: pytest.Mon
     monkeypatch.setattr(real, "REQUIRES", {**real.REQUIRES, "olmo-core": ("no_such_olmo",)})
     with pytest.raises(UsageError, match=r"no_such_olmo.*pip install 'meshsim\[olmo-core\]'"):
         verify("olmo-core", 4, "fake", real=True, dp="fsdp")
-    with pytest.raises(UsageError, match="use real=False"):
+    with pytest.raises(UsageError, match=r"drop --real \(real=False\)"):
         verify("torch", 4, "fake", real=True)
+    with pytest.raises(UsageError, match="no adapter that runs the real megatron-deepspeed"):
+        verify("megatron-deepspeed", 8, "fake", real=True)
 
 
 def test_unknown_framework_is_a_usage_error() -> None:

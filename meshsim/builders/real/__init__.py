@@ -21,10 +21,11 @@ REAL_BUILDERS: Final[Mapping[str, str]] = MappingProxyType(
         "olmo-core": "meshsim.builders.real.olmo_core",
         "torchtitan": "meshsim.builders.real.torchtitan",
         "megatron": "meshsim.builders.real.megatron",
-        "megatron-deepspeed": "meshsim.builders.real.megatron_deepspeed",
         "deepspeed": "meshsim.builders.real.deepspeed",
     }
 )
+# megatron-deepspeed has no adapter: its code is not on the package index (issue 21 models its
+# lines from their source instead).
 
 #: framework -> the ``meshsim[...]`` extra that installs it (see pyproject.toml).
 EXTRAS: Final[Mapping[str, str]] = MappingProxyType(
@@ -56,14 +57,22 @@ def unavailable(framework: str) -> str | None:
     Looks modules up with ``find_spec`` only: nothing is imported, torch included.
     """
     module = REAL_BUILDERS.get(framework)
-    if module is None or importlib.util.find_spec(module) is None:
+    if framework == "torch":
+        return "--real (real=True): " + install_hint(framework)
+    if module is None:
         return (
-            f"real=True needs meshsim's adapter for the real {framework} code "
-            f"({module or 'none registered'}), which this install lacks; {install_hint(framework)}"
+            f"--real (real=True): meshsim has no adapter that runs the real {framework} code, "
+            "only its reference and a plain-torch builder of its recipe; drop --real "
+            "(real=False) to verify that builder"
+        )
+    if importlib.util.find_spec(module) is None:
+        return (
+            f"--real (real=True) needs meshsim's adapter for the real {framework} code "
+            f"({module}), which this install lacks; {install_hint(framework)}"
         )
     missing = [p for p in REQUIRES.get(framework, ()) if importlib.util.find_spec(p) is None]
     if missing:
-        return f"real=True runs {framework} itself, and {missing} is not installed; " + (
+        return f"--real (real=True) runs {framework} itself, and {missing} is not installed; " + (
             install_hint(framework)
         )
     return None
@@ -72,11 +81,8 @@ def unavailable(framework: str) -> str | None:
 def install_hint(framework: str) -> str:
     """How to get the real framework: ``pip install 'meshsim[olmo-core]'`` and the like."""
     if framework == "torch":
-        return "torch's DeviceMesh is already what the torch builder runs; use real=False"
+        return "torch's DeviceMesh is already what the torch builder runs; drop --real (real=False)"
     extra = EXTRAS.get(framework)
     if extra is None:
         return f"meshsim has no real-framework support for {framework!r}"
-    hint = f"install the framework with: pip install 'meshsim[{extra}]'"
-    if framework == "megatron-deepspeed":
-        hint += " plus a Megatron-DeepSpeed checkout on PYTHONPATH (it is not on PyPI)"
-    return hint
+    return f"install the framework with: pip install 'meshsim[{extra}]'"
