@@ -80,7 +80,9 @@ def test_groups_kept_alive_by_a_cycle_do_not_pile_up_threads() -> None:
     assert all(m[1] > b[0][1] for m, b in zip(middle, before))  # ... on the same kept world
     assert [a[0][0] for a in after] == [b[0][0] for b in before]
     assert all(a[0][1] > m[1] for a, m in zip(after, middle))
-    assert [a[1] for a in after] == [b[1] for b in before]  # >= 256 threads each were freed
+    # The >= 256 threads each left behind were freed (without the collection, each worker
+    # would have that many more); the collection may also free what earlier jobs left.
+    assert all(a[1] <= b[1] for a, b in zip(after, before)), (before, after)
 
 
 def unmatched_send() -> tuple[int, int]:
