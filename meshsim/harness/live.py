@@ -18,12 +18,10 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from meshsim.errors import CollectiveDivergence
-from meshsim.harness.deadlock import deadlocked
+from meshsim.harness.deadlock import WORLD_CREATIONS, deadlocked
 from meshsim.harness.divergence import Comparison, _key
 from meshsim.harness.outcome import RankOutcome, format_group, rank_label
 from meshsim.harness.recorder import Call, TrackingSink
-
-_WORLD_CREATIONS = ("world-synchronised creations",)
 
 
 class LiveTable:
@@ -54,7 +52,7 @@ class LiveTable:
         self, slot: tuple, index: int, a: tuple[int, Call], b: tuple[int, Call]
     ) -> CollectiveDivergence:
         ws = self.world_size
-        if slot[0] is _WORLD_CREATIONS:
+        if slot[0] is WORLD_CREATIONS:
             kind, group = "creation", None
             what = f"the world-synchronised group creations at index {index}"
         else:
@@ -94,7 +92,7 @@ class LiveSink(TrackingSink):
         if call.kind == "p2p":
             return
         if call.kind == "create" and not call.local:
-            slot_group: object = _WORLD_CREATIONS
+            slot_group: object = WORLD_CREATIONS
         elif call.kind == "create" and call.group is not None and self.rank not in call.group:
             return
         else:

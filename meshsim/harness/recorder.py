@@ -347,15 +347,16 @@ class TrackingSink:
 
     def where(self, world_size: int | None = None) -> str | None:
         """``all_reduce on group (0,1) (call #3)`` while blocked, else ``None``."""
-        if self.current is None:
-            return None
-        return f"{self.current.describe(world_size)} (call #{self.count})"
+        return _numbered(self.current, self.count, world_size)
 
     def raised_where(self, world_size: int | None = None) -> str | None:
         """The call the last exception came out of, if it came out of one."""
-        if self.raised_in is None:
-            return None
-        return f"{self.raised_in.describe(world_size)} (call #{self.count})"
+        return _numbered(self.raised_in, self.count, world_size)
+
+
+def _numbered(call: Call | None, count: int, world_size: int | None) -> str | None:
+    """``all_reduce on group (0,1) (call #3)``; ``None`` without a call."""
+    return None if call is None else f"{call.describe(world_size)} (call #{count})"
 
 
 class ListSink(TrackingSink):
@@ -486,13 +487,8 @@ class StreamReader:
 
     def where(self, world_size: int | None = None) -> str | None:
         """``all_reduce on group (0,1) (call #3)`` while inside a call, else ``None``."""
-        current = self.current
-        if current is None:
-            return None
-        return f"{current.describe(world_size)} (call #{len(self.calls)})"
+        return _numbered(self.current, len(self.calls), world_size)
 
     def raised_where(self, world_size: int | None = None) -> str | None:
         """The call the rank's exception came out of, if it came out of one."""
-        if self.raised_in is None:
-            return None
-        return f"{self.raised_in.describe(world_size)} (call #{len(self.calls)})"
+        return _numbered(self.raised_in, len(self.calls), world_size)
