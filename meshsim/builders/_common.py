@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshsim import torch_private
 from meshsim.checks import GroupView, Observation, observe_groups
 
 # OLMo-core and legacy torchtitan slice flattened names from the root mesh, which torch 2.11+
@@ -71,7 +72,7 @@ def flatten(root: DeviceMesh, dims: Sequence[str], name: str) -> DeviceMesh:
     ordered = tuple(sorted(dims, key=names.index))
     if len(ordered) == 1:
         return root[ordered[0]]
-    return root[ordered]._flatten(name)
+    return torch_private.flatten(root[ordered], name)
 
 
 def all_groups(root: DeviceMesh, dims: Sequence[str]) -> list[list[int]]:

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.builders._common import (
     Entry,
     FrameworkRejection,
@@ -182,5 +183,6 @@ def _expert_groups(world_size: int, tp: int, ep: int, pp: int, before: bool) -> 
         if before
         else (("expert_data", dp // ep), ("expert", ep))
     )
-    split = dense._unflatten("moe_data", tuple(s for _, s in order), tuple(n for n, _ in order))
+    sizes, names = tuple(s for _, s in order), tuple(n for n, _ in order)
+    split = torch_private.unflatten(dense, "moe_data", sizes, names)
     return {"expert": split["expert"], "expert_data": split["expert_data"]}

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshsim import torch_private
 from meshsim.builders._common import (
     Entry,
     FrameworkRejection,
@@ -82,7 +83,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     entries["dp"], entries["cp"] = groups["dp"], groups["cp"]
     if hcp:
         levels = [f"hcp{i}" for i in range(len(hcp))]
-        split = groups["cp"]._unflatten(0, hcp[::-1], levels[::-1])
+        split = torch_private.unflatten(groups["cp"], 0, hcp[::-1], levels[::-1])
         for i, name in enumerate(levels):
             entries[f"hierarchical_cp:{i}"] = split[name]
     for token in ("tp-pp", "tp", "pp"):
@@ -249,7 +250,8 @@ def _token_mesh(root: DeviceMesh, token: str, prefix: str = "") -> DeviceMesh:
 
 def _chunks(group: DeviceMesh, size: int, name: str) -> DeviceMesh:
     """Consecutive chunks of ``size`` members of a live 1-D group (``_unflatten``, inner dim)."""
-    return group._unflatten(0, (group.size() // size, size), (f"{name}_outer", name))[name]
+    outer = (group.size() // size, size), (f"{name}_outer", name)
+    return torch_private.unflatten(group, 0, *outer)[name]
 
 
 def _embedding_groups(
@@ -274,13 +276,14 @@ def _embedding_groups(
 
 def _partial_expert_groups(expert: DeviceMesh, edp: int, instances: int) -> dict[str, Entry]:
     """Expert DP split hierarchically as [edp / k, k], and one optimizer instance's ranks."""
-    split = expert._unflatten("expert:dp", (instances, edp // instances), ("inter", "intra"))
+    sizes = (instances, edp // instances)
+    split = torch_private.unflatten(expert, "expert:dp", sizes, ("inter", "intra"))
     names = tuple(split.mesh_dim_names or ())
     rest = tuple(n for n in names if n != "inter")
     entries = {
         "expert:intra_dp": split["intra"],
         "expert:inter_dp": split["inter"],
-        "intra_dist_opt_instance": split[rest]._flatten("intra_dist_opt_instance"),
+        "intra_dist_opt_instance": torch_private.flatten(split[rest], "intra_dist_opt_instance"),
     }
     if instances == 1:  # megatron builds no inter-instance group with one instance
         del entries["expert:inter_dp"]

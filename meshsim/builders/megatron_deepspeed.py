@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshsim import torch_private
 from meshsim.builders._common import (
     Entry,
     FrameworkRejection,
@@ -67,7 +68,8 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     if config.get("use_fp8"):
         # Contiguous blocks of tp * dp ranks, whatever the mesh: unflatten the world into them.
         line = mesh((world_size,), ("ranks",))
-        blocks = line._unflatten(0, (world_size // (tp * dp), tp * dp), ("amax_outer", "amax"))
+        sizes = (world_size // (tp * dp), tp * dp)
+        blocks = torch_private.unflatten(line, 0, sizes, ("amax_outer", "amax"))
         entries["amax"] = blocks["amax"]
     return collect(entries)
 

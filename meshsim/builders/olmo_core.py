@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshsim import torch_private
 from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh
 from meshsim.checks import Observation
 
@@ -161,7 +162,7 @@ def _flatten_dims(
             out.append(n)
         elif name not in out:
             out.append(name)
-    root[dims]._flatten(name)
+    torch_private.flatten(root[dims], name)
     new_names = tuple(out)
     try:
         root[new_names]
@@ -209,7 +210,7 @@ def get_dp_mesh(root: DeviceMesh) -> DeviceMesh:
 def get_dp_process_group(root: DeviceMesh) -> Any:
     dp_mesh = get_dp_mesh(root)
     if dp_mesh.ndim > 1:
-        return dp_mesh._flatten("dp").get_group()
+        return torch_private.flatten(dp_mesh, "dp").get_group()
     return dp_mesh.get_group()
 
 
@@ -264,6 +265,6 @@ def _mesh_entries(root: DeviceMesh, prefix: str) -> dict[str, Entry]:
             entries[prefix + name] = getter(root)
         except (RuntimeError, KeyError, ValueError) as error:
             entries[prefix + name] = error
-    for alias, flat in root._flatten_mapping.items():
+    for alias, flat in torch_private.flatten_mapping(root).items():
         entries[prefix + alias] = flat
     return entries

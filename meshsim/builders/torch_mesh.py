@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshsim import torch_private
 from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh
 from meshsim.builders.real._shims import register_fake_backend
 from meshsim.checks import Observation
@@ -32,9 +33,9 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
             if set(wanted) <= _known(view):
                 if verb == "flatten":
                     dims, name = args
-                    view[tuple(dims)]._flatten(name)
+                    torch_private.flatten(view[tuple(dims)], name)
                 else:
-                    views.append(view._unflatten(*args))
+                    views.append(torch_private.unflatten(view, *args))
                 break
         else:
             raise FrameworkRejection(
@@ -44,7 +45,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     for view in views:
         for dim in view.mesh_dim_names or ():
             entries.setdefault(dim, view[dim])
-        for name, flat in view._get_root_mesh()._flatten_mapping.items():
+        for name, flat in torch_private.flatten_mapping(view).items():
             entries.setdefault(name, flat)
     return collect(entries)
 
@@ -64,7 +65,7 @@ def _local_rank_group(root: DeviceMesh) -> Entry:
 
 
 def _known(view: DeviceMesh) -> set[str]:
-    return set(view.mesh_dim_names or ()) | set(view._get_root_mesh()._flatten_mapping)
+    return set(view.mesh_dim_names or ()) | set(torch_private.flatten_mapping(view))
 
 
 def _root(world_size: int, config: Mapping[str, Any]) -> DeviceMesh:

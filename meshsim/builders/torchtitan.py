@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshsim import torch_private
 from meshsim.builders import _torchtitan_api as titan_api
 from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, require
 from meshsim.checks import Observation
@@ -89,12 +90,12 @@ def _views(
     world = mesh((world_size,), ("world",))
 
     def unflatten(dims: Mapping[str, int]) -> DeviceMesh:
-        return world._unflatten(0, tuple(dims.values()), tuple(dims))
+        return torch_private.unflatten(world, 0, tuple(dims.values()), tuple(dims))
 
     pp, dpr, dps, cp, tp, ep = (d[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
     batch, fsdp = dpr * dps, dps * cp
     dataloading = unflatten({"pp": pp, "batch": batch, "cp": cp, "tp": tp})
-    loss = dataloading["batch", "cp"]._flatten("loss_mesh")
+    loss = torch_private.flatten(dataloading["batch", "cp"], "loss_mesh")
     if backend == "partial_dtensor":
         dense = unflatten({"pp": pp, "dp_replicate": dpr, "fsdp": fsdp, "tp": tp})
     else:
@@ -263,7 +264,7 @@ def _legacy(d: Mapping[str, int]) -> dict[str, Entry]:
         flattens["ep"] += ["tp"] if etp == 1 and "tp" in kept else []
     for alias, spanned in flattens.items():
         if spanned:
-            root[tuple(spanned)]._flatten(alias)
+            torch_private.flatten(root[tuple(spanned)], alias)
     return _root_entries(root, _LEGACY_NAMES)
 
 
@@ -290,7 +291,7 @@ def _hyper_parallel(world_size: int, raw: Mapping[str, int]) -> dict[str, Entry]
 
     def flatten_unique(source: tuple[str, ...], alias: str) -> None:
         if alias not in base and alias not in done:
-            root[source]._flatten(alias)
+            torch_private.flatten(root[source], alias)
             done.add(alias)
 
     data = tuple(n for n in ("dp_replicate", "dp_shard") if n in base)

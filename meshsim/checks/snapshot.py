@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from meshsim import torch_private
 from meshsim.checks.observation import GroupView, Observation
 from meshsim.errors import UsageError
 
@@ -75,8 +76,7 @@ def observe(mesh: DeviceMesh, *, prove: bool = True, include_flattened: bool = T
     for dim in names:
         groups[dim] = _view(dist, dim, mesh.get_group(dim), mesh[dim].mesh, prove)
     if include_flattened:
-        root = mesh._get_root_mesh()
-        for flat_name, flat_mesh in getattr(root, "_flatten_mapping", {}).items():
+        for flat_name, flat_mesh in torch_private.flatten_mapping(mesh).items():
             if flat_name not in groups:
                 groups[flat_name] = _view(
                     dist, flat_name, flat_mesh.get_group(), flat_mesh.mesh, prove

@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshsim import torch_private
 from meshsim.errors import UsageError
 
 FRAMEWORKS = ("olmo-core", "torchtitan")
@@ -60,7 +61,7 @@ def _local(mesh: Any) -> tuple[int, int]:
 def _flat(mesh: DeviceMesh | None, name: str) -> DeviceMesh | None:
     if mesh is None or mesh.ndim == 1:
         return mesh
-    return mesh._flatten(name)
+    return torch_private.flatten(mesh, name)
 
 
 # -- OLMo-core ------------------------------------------------------------------------------------
@@ -125,7 +126,9 @@ def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> Train
     world = mesh((world_size,), ("world",))
     # The loader's view (pp, batch, cp, tp), with real groups (torchtitan backs batch with the
     # fake backend: the loader only reads its rank and size).
-    loading = world._unflatten(0, (pp, dpr * dps, cp, tp), ("pp", "batch", "cp", "tp"))
+    loading = torch_private.unflatten(
+        world, 0, (pp, dpr * dps, cp, tp), ("pp", "batch", "cp", "tp")
+    )
     if real:
         from meshsim.builders.real import _shims
         from meshsim.builders.real.torchtitan import parallel_dims
@@ -140,7 +143,9 @@ def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> Train
         grad = dims.get_mesh(names)  # torchtitan 0.3.0 always applies FSDP2 (shard 1: a no-op)
         tp_mesh, cp_mesh, pp_mesh = get("tp"), get("cp"), get("pp")
     else:
-        dense = world._unflatten(0, (pp, dpr, dps * cp, tp), ("pp", "dp_replicate", "fsdp", "tp"))
+        dense = torch_private.unflatten(
+            world, 0, (pp, dpr, dps * cp, tp), ("pp", "dp_replicate", "fsdp", "tp")
+        )
         batch = loading["batch"] if dpr * dps > 1 else None
         grad = dense["dp_replicate", "fsdp"] if dpr > 1 else dense["fsdp"]
         tp_mesh = dense["tp"] if tp > 1 else None

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.errors import DataflowMismatch, RankFailure, RankTimeout, UsageError
 
 #: The right wiring, then the three classic mistakes.
@@ -270,7 +271,7 @@ def _wrap(model: Any, mesh: Any, ddp: bool) -> Any:
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
 
-        flat = mesh if mesh.ndim == 1 else mesh._flatten("meshsim_ddp")
+        flat = mesh if mesh.ndim == 1 else torch_private.flatten(mesh, "meshsim_ddp")
         return DistributedDataParallel(model, process_group=flat.get_group())
     from torch.distributed.fsdp import fully_shard
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.harness import recorder
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
@@ -115,7 +116,8 @@ def _store_type() -> type:
     rendezvoused on garbage and crashed the process. With this store it raises, as before.
     """
     import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
+
+    torch_private.register_fake_backend()
 
     return type("FakeStore", (dist.Store,), {})
 

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.harness import recorder
 
 #: Use the fast path in the fake tier (env ``MESHSIM_FAKE_FASTPATH=0`` turns it off).
@@ -53,26 +54,24 @@ class NonMemberFastPath:
     def install(self) -> None:
         """Patch DeviceMesh (after ``recorder.install``, so its wrappers are what we expect)."""
         import torch.distributed.device_mesh as dm
-        import torch.distributed.distributed_c10d as c10d
 
         if not ENABLED or self._installed or not hasattr(dm, "DeviceMesh"):
             return
-        original = dm.DeviceMesh.__dict__.get("_init_one_process_group")
+        original = torch_private.mesh_group_factory()
         if not isinstance(original, staticmethod):
             return  # another torch: keep torch's code
         self._original = original
         self._new_group = getattr(dm, "new_group", None)
-        self._new_group_with_tag = c10d._new_group_with_tag
+        self._new_group_with_tag = torch_private.new_group_with_tag()
         fast = self._init_one_process_group
-        dm.DeviceMesh._init_one_process_group = staticmethod(fast)  # type: ignore[method-assign]
+        torch_private.set_mesh_group_factory(staticmethod(fast))
         self._installed = True
 
     def uninstall(self) -> None:
         """Put torch's method back and forget the run's plans."""
-        import torch.distributed.device_mesh as dm
 
         if self._installed:
-            dm.DeviceMesh._init_one_process_group = self._original  # type: ignore[method-assign]
+            torch_private.set_mesh_group_factory(self._original)
             self._installed = False
         self._plans.clear()
 
@@ -85,14 +84,12 @@ class NonMemberFastPath:
         original = self._original.__func__
         if any(extra) or not self._applies(sub_layout, backend_override):
             return original(sub_layout, rank_map, dim_name, backend_override, *extra)
-        import torch.distributed.distributed_c10d as c10d
-
         plan = self._plan(sub_layout, rank_map, dim_name)
-        default = c10d._get_default_group()
+        default = torch_private.default_group()
         hit = plan.row_of.get(default.rank()) if plan is not None else None
         if plan is None or hit is None or default.size() <= max(plan.row_of):
             return original(sub_layout, rank_map, dim_name, backend_override, *extra)
-        world = c10d._world
+        world = torch_private.world()
         first = world.group_count
         if _name_clash(world, first, len(plan.rows)):
             return original(sub_layout, rank_map, dim_name, backend_override, *extra)
@@ -103,23 +100,23 @@ class NonMemberFastPath:
 
     def _applies(self, sub_layout: Any, backend_override: Any) -> bool:
         """The plain CPU case, where torch loops over ``new_group`` for every row."""
+        import torch.distributed as dist
         import torch.distributed.device_mesh as dm
-        import torch.distributed.distributed_c10d as c10d
 
-        if backend_override != (None, None) or not c10d.is_initialized():
+        if backend_override != (None, None) or not dist.is_initialized():
             return False
         if dm.new_group is not self._new_group:
             return False  # the body patched DeviceMesh's new_group: let it see every call
-        if c10d._new_group_with_tag is not self._new_group_with_tag:
+        if torch_private.new_group_with_tag() is not self._new_group_with_tag:
             return False  # likewise for torch's own entry point
-        default = c10d._get_default_group()
+        default = torch_private.default_group()
         if sub_layout.numel() == default.size():
             return False  # torch's early return (the world group)
         if getattr(default, "bound_device_id", None) is not None:
             return False
-        if _torchcomms() or c10d._is_barrier_after_init() == 1:
+        if _torchcomms() or torch_private.barrier_after_init():
             return False
-        return str(c10d._world.pg_map[default][0]) == "fake"
+        return str(torch_private.world().pg_map[default][0]) == "fake"
 
     def _plan(self, sub_layout: Any, rank_map: Any, dim_name: str) -> _Plan | None:
         """The dim's rows and records, cached for the run; ``None`` when torch must decide."""
@@ -139,7 +136,7 @@ class NonMemberFastPath:
             for call in plan.calls[start:stop]:
                 sink.enter(call)
                 sink.exit(call)
-        world = c10d._world
+        world = torch_private.world()
         world.group_count += stop - start
         last = plan.rows[stop - 1]
         world.pg_group_ranks[c10d.GroupMember.NON_GROUP_MEMBER] = {r: i for i, r in enumerate(last)}
@@ -147,13 +144,7 @@ class NonMemberFastPath:
 
 def _make_plan(sub_layout: Any, rank_map: Any, dim_name: str) -> _Plan | None:
     """Rows of the dim as torch computes them; ``None`` unless every rank is in one valid row."""
-    import torch.distributed._mesh_layout as mesh_layout
-
-    # torch >= 2.13 passes one axis (``_FlatLayout``) to be wrapped in a ``_MeshLayout``;
-    # torch 2.10-2.12's ``_MeshLayout`` is itself the (shape, stride) axis.
-    axis = sub_layout
-    if hasattr(mesh_layout, "_FlatLayout"):
-        axis = mesh_layout._MeshLayout([sub_layout])
+    axis = torch_private.mesh_layout_axis(sub_layout)
     rows = tuple(tuple(sorted(row)) for row in axis.remap_to_tensor(rank_map).tolist())
     row_of: dict[int, int] = {}
     for index, row in enumerate(rows):

@@ -17,40 +17,31 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from meshsim import torch_private
+
 # The swap is process-global: in-process runs (fake, threaded) take turns.
 _in_process_lock = threading.Lock()
 _active = threading.local()
 
 
 def threaded_pg_module():  # type: ignore[no-untyped-def]
-    """``torch.testing._internal.distributed.multi_threaded_pg``, imported once, lazily.
-
-    On some torch versions it pulls in ``expecttest`` (a test-only dependency) and costs
-    seconds to import, so it is only imported by the tiers that need it.
-    """
-    try:
-        import torch.testing._internal.distributed.multi_threaded_pg as mtpg
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        from meshsim.errors import UsageError
-
-        raise UsageError(
-            f"the threaded/fake tiers need torch's test utilities, which failed to import "
-            f"({exc}); install the test extra: pip install expecttest"
-        ) from exc
-    return mtpg
+    """torch's threaded test backend, imported lazily: on some releases it pulls in
+    ``expecttest`` (a test-only dependency) and costs seconds to import."""
+    return torch_private.threaded_pg()
 
 
-def _private_world_class(c10d: Any) -> type:
+def _private_world_class() -> type:
     """A ``c10d._World`` whose state lives on the instance, not in c10d's module globals.
 
     For ranks run one after another on one thread (the fake tier): every lookup is a plain
     attribute read, where torch's ``ThreadLocalWorld`` does a thread-local lookup per
     attribute (a fifth of the fake tier's time at world 1,024 went there).
     """
-    probe = c10d._World()
+    world_class = torch_private.world_class()
+    probe = world_class()
     fields = tuple(
         name
-        for name, attr in vars(c10d._World).items()
+        for name, attr in vars(world_class).items()
         if isinstance(attr, property) and name != "pg_config_info"
     )
 
@@ -65,8 +56,8 @@ def _private_world_class(c10d: Any) -> type:
 
     namespace: dict[str, Any] = dict.fromkeys(fields)
     namespace["__init__"] = __init__
-    namespace["pg_config_info"] = c10d._World.pg_config_info
-    return type("_PrivateWorld", (c10d._World,), namespace)
+    namespace["pg_config_info"] = world_class.pg_config_info  # type: ignore[attr-defined]
+    return type("_PrivateWorld", (world_class,), namespace)
 
 
 @contextmanager
@@ -77,7 +68,7 @@ def isolated_world(timeout: float, *, what: str, per_thread: bool = True) -> Ite
     otherwise one private world for ranks that run in turn (the fake tier), which is cheaper.
     """
     import torch
-    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed as dist
 
     from meshsim.errors import MeshsimError
 
@@ -95,25 +86,24 @@ def isolated_world(timeout: float, *, what: str, per_thread: bool = True) -> Ite
         mtpg = threaded_pg_module()
 
         class _IsolatedWorld(mtpg.ThreadLocalWorld):  # type: ignore[misc,name-defined]
-            pg_config_info = c10d._World.pg_config_info
+            pg_config_info = torch_private.world_class().pg_config_info  # type: ignore[attr-defined]
     else:
-        _IsolatedWorld = _private_world_class(c10d)
+        _IsolatedWorld = _private_world_class()
 
-    saved_world = c10d._world
-    saved_autograd_mt = torch._C._is_multithreading_enabled()
+    saved_world = torch_private.world()
+    saved_autograd_mt = torch_private.autograd_multithreading()
     saved_hook = sys.excepthook
-    saved_rank = c10d.get_rank() if c10d.is_initialized() else -1
-    ext: Any = torch._C._distributed_c10d  # private bindings, not in torch's stubs
+    saved_rank = dist.get_rank() if dist.is_initialized() else -1
     _active.inside = True
     try:
-        c10d._world = _IsolatedWorld()
-        ext._set_thread_isolation_mode(True)
+        torch_private.set_world(_IsolatedWorld())
+        torch_private.thread_isolation(True)
         yield
     finally:
         _active.inside = False
-        c10d._world = saved_world
-        ext._set_thread_isolation_mode(False)
-        ext._set_global_rank(saved_rank)
+        torch_private.set_world(saved_world)
+        torch_private.thread_isolation(False)
+        torch_private.set_global_rank(saved_rank)
         sys.excepthook = saved_hook
         # The threaded PG turns autograd multithreading off process-wide; turn it back.
         torch.autograd.set_multithreading_enabled(saved_autograd_mt)
@@ -134,14 +124,9 @@ def reset_rank_state(*, keep_default: bool = False) -> None:
 
     if dist.is_initialized() and not keep_default:
         dist.destroy_process_group()
-    mesh_mod = sys.modules.get("torch.distributed.device_mesh")
-    resources = getattr(mesh_mod, "_mesh_resources", None)
-    if resources is not None and hasattr(resources, "mesh_stack"):
-        resources.mesh_stack.clear()
-    random_mod = sys.modules.get("torch.distributed.tensor._random")
-    if random_mod is not None and getattr(random_mod, "_rng_tracker", None) is not None:
-        random_mod._rng_tracker = None  # type: ignore[attr-defined]
-    if "torch.distributed.tensor._api" in sys.modules:
+    torch_private.reset_mesh_stack()
+    torch_private.reset_dtensor_rng()
+    if torch_private.dtensor_loaded():
         forget_dtensor_plans()
 
 
@@ -152,18 +137,7 @@ def forget_dtensor_plans() -> None:
     previous job of a warm worker (or the previous fake rank) names process groups that job
     destroyed: "Could not resolve the process group registered under the name 10".
     """
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor._api import DTensor
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
-    if cached is not None and hasattr(cached, "cache_clear"):
-        cached.cache_clear()
-    plans = getattr(_redistribute, "_gen_transform_infos", None)
-    if plans is not None and hasattr(plans, "cache_clear"):
-        plans.cache_clear()
+    torch_private.forget_dtensor_plans()
 
 
 def leftovers(kept: Any = None) -> list[str]:
@@ -173,21 +147,17 @@ def leftovers(kept: Any = None) -> list[str]:
     group and the only one registered).
     """
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     found: list[str] = []
     if kept is None and dist.is_initialized():
         found.append("a default process group is still initialised")
-    if kept is not None and not (dist.is_initialized() and c10d._get_default_group() is kept):
+    if kept is not None and not (dist.is_initialized() and torch_private.default_group() is kept):
         found.append("the kept world process group is no longer the default group")
-    others = [pg for pg in c10d._world.pg_map if pg is not kept]
+    others = [pg for pg in torch_private.world().pg_map if pg is not kept]
     if others:
         found.append(f"{len(others)} process group(s) still registered")
-    mesh_mod = sys.modules.get("torch.distributed.device_mesh")
-    resources = getattr(mesh_mod, "_mesh_resources", None)
-    if resources is not None and getattr(resources, "mesh_stack", None):
+    if torch_private.mesh_stack_entered():
         found.append("a DeviceMesh context (with mesh:) is still entered")
-    random_mod = sys.modules.get("torch.distributed.tensor._random")
-    if random_mod is not None and getattr(random_mod, "_rng_tracker", None) is not None:
+    if torch_private.dtensor_rng_bound():
         found.append("DTensor's RNG tracker is still bound to a mesh")
     return found

@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshsim import torch_private
+
 #: How often a blocked ``wait`` looks at the threaded world's abort flag.
 POLL_S = 0.05
 
@@ -64,6 +66,7 @@ def install(plg: Any) -> None:
     plg.recv = _recv
     plg.recv_anysource = _recv_anysource
     plg.__meshsim_p2p__ = True
+    torch_private.make_threaded_group_its_own_backend(plg)
 
 
 def _make_work_type(plg: Any) -> type:
@@ -79,7 +82,7 @@ def _make_work_type(plg: Any) -> type:
         def wait(self, timeout: Any = None) -> bool:
             del timeout  # the harness's deadline applies
             while self.receive is not None and not self.receive.done.wait(POLL_S):
-                if plg._terminate.is_set():
+                if torch_private.threaded_world_aborted():
                     sys.exit("Test termination event occurs.")  # as torch's threaded collectives
             return True
 
@@ -96,7 +99,7 @@ def _make_work_type(plg: Any) -> type:
 
 
 def _send(pg: Any, tensors: list, dst: int, tag: int) -> Any:
-    key, src = (pg.pg_name, dst, tag), pg._rank
+    key, src = (pg.pg_name, dst, tag), torch_private.threaded_group_rank(pg)
     data = tensors[0].detach().clone()
     with _lock:
         waiting = _pending.get(key, [])
@@ -111,7 +114,7 @@ def _send(pg: Any, tensors: list, dst: int, tag: int) -> Any:
 
 
 def _post(pg: Any, tensor: Any, src: int | None, tag: int) -> Any:
-    key = (pg.pg_name, pg._rank, tag)
+    key = (pg.pg_name, torch_private.threaded_group_rank(pg), tag)
     receive = _Receive(tensor, src)
     with _lock:
         queued = _queued.get(key, [])

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.harness.recorder import Call
 
 Step = tuple[int, Call]
@@ -95,9 +96,9 @@ def _op(op: str, sends: bool, peer: Any, tag: Any, tensor: Any) -> PeerOp:
 
 
 def _global_rank(group: Any, local: int) -> int:
-    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed as dist
 
-    return c10d.get_global_rank(group or c10d._get_default_group(), int(local))
+    return dist.get_global_rank(group or torch_private.default_group(), int(local))
 
 
 # ---------------------------------------------------------------------------- matching

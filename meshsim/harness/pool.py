@@ -32,6 +32,7 @@ import time
 from collections import deque
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.errors import MeshsimError
 from meshsim.harness import rendezvous
 from meshsim.harness.outcome import death_cause, signal_name
@@ -288,10 +289,8 @@ def template_main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import dill  # noqa: F401
-    import torch
-    import torch.distributed
-    import torch.distributed._functional_collectives
-    import torch.distributed.device_mesh  # noqa: F401
+
+    torch_private.preload()
 
     import meshsim.harness.worker  # noqa: F401
 

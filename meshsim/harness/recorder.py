@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from meshsim import torch_private
 from meshsim.harness.outcome import format_group
 
 # c10d entry points that are collective over their group.
@@ -166,7 +167,7 @@ def group_ranks(group: Any) -> tuple[int, ...] | None:
     if group is None:
         return None
     if isinstance(group, str):
-        group = c10d._resolve_process_group(group)  # type: ignore[arg-type]
+        group = torch_private.resolve_group(group)
     elif isinstance(group, tuple) and len(group) == 2 and hasattr(group[0], "get_group"):
         group = group[0].get_group(group[1])
     elif hasattr(group, "get_group") and hasattr(group, "mesh"):
@@ -268,7 +269,7 @@ def _wrap(kind: str, op: str, original: Callable[..., Any]) -> Callable[..., Any
 
 def _targets() -> list[tuple[Any, str, str, str]]:
     """(module, attribute, kind, op) for every entry point to wrap."""
-    import torch.distributed._functional_collectives as funcol
+    funcol = torch_private.functional_collectives()
     import torch.distributed.distributed_c10d as c10d
 
     out: list[tuple[Any, str, str, str]] = []

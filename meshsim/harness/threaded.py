@@ -28,6 +28,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.errors import MeshsimError
 from meshsim.harness import mailbox, recorder
 from meshsim.harness.backend import Job
@@ -96,7 +97,7 @@ class _Rank:
         except HarnessInterrupt:
             self.report(RankOutcome(self.rank, status="timeout"))
         except SystemExit as exc:
-            if plg._terminate.is_set():  # the world was aborted while we were in a collective
+            if torch_private.threaded_world_aborted():  # aborted while we were in a collective
                 where = self.sink.raised_where(job.world_size)
                 self.report(RankOutcome(self.rank, status="aborted", collective=where))
             else:

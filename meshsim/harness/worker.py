@@ -35,6 +35,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.harness import isolation, pickling, recorder, rendezvous
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.outcome import exception_fields
@@ -68,7 +69,7 @@ _WATCHED_MODULES = (
     "torch.distributed",
     "torch.distributed.distributed_c10d",
     "torch.distributed.device_mesh",
-    "torch.distributed._functional_collectives",
+    torch_private.FUNCOL,
 )
 
 
@@ -104,44 +105,41 @@ class _KeptWorld:
     """A world process group kept between jobs, with the store it was set up with."""
 
     def __init__(self, world_id: int, store: Any) -> None:
-        import torch.distributed.distributed_c10d as c10d
-
         self.id = world_id
         self.store = store
-        self.pg = c10d._get_default_group()
-        self.entry = c10d._world.pg_map[self.pg]
+        self.pg = torch_private.default_group()
+        self.entry = torch_private.world().pg_map[self.pg]
         self.threads = _native_threads()  # with the world up: what a job must leave behind
 
     def begin_job(self, job_store: Any) -> None:
         """Route this job's ``new_group`` store traffic to the job's own key prefix."""
         import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
 
         backend, default_store = self.entry
-        c10d._world.pg_map[self.pg] = (backend, dist.PrefixStore("groups/", job_store))
+        torch_private.world().pg_map[self.pg] = (backend, dist.PrefixStore("groups/", job_store))
         del default_store
 
     def end_job(self) -> None:
         """Destroy every group but the world and reset the group counter, as a fresh world."""
         import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
 
+        world = torch_private.world()
         destroyed = False
-        for pg in list(c10d._world.pg_map):
+        for pg in list(world.pg_map):
             if pg is not self.pg:
                 dist.destroy_process_group(pg)
                 destroyed = True
-        c10d._world.pg_map[self.pg] = self.entry
-        c10d._world.group_count = 1
+        world.pg_map[self.pg] = self.entry
+        world.group_count = 1
         if destroyed and _too_many_threads(self.threads):
             _release_groups()
             self.threads = _native_threads()  # what a collection cannot free is the new baseline
 
     def current(self) -> bool:
         """The world is still this process's default group (the body did not replace it)."""
-        import torch.distributed.distributed_c10d as c10d
+        import torch.distributed as dist
 
-        return c10d.is_initialized() and c10d._get_default_group() is self.pg
+        return dist.is_initialized() and torch_private.default_group() is self.pg
 
 
 #: Threads that destroyed groups may keep alive before a collection frees them. Collecting
@@ -203,10 +201,8 @@ class Worker:
         ).start()
         import dill  # noqa: F401
         import torch
-        import torch.distributed
-        import torch.distributed._functional_collectives
-        import torch.distributed.device_mesh
 
+        torch_private.preload()
         torch.set_num_threads(1)  # N ranks share the machine's cores, as under torchrun
         recorder.install()
         self.baseline_threads = {t.ident for t in threading.enumerate()}
@@ -370,7 +366,7 @@ class Worker:
         )
         mark = "0"
         if candidate:
-            mark = f"1:{self.world.pg._get_sequence_number_for_group()}"  # type: ignore[union-attr]
+            mark = f"1:{torch_private.sequence_number(self.world.pg)}"  # type: ignore[union-attr]
         keys = [f"meshsim/finished/{r}" for r in range(world)]
         marks: list[str] = []
         try:

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from meshsim import torch_private
+
 #: Versions the shims were written and tested against (``pip install 'meshsim[...]'`` pins them).
 TESTED_VERSIONS = {
     "ai2-olmo-core": "3.0.0",
@@ -155,7 +157,7 @@ def register_fake_backend() -> None:
     registers that backend only when ``torch.testing._internal.distributed.fake_pg`` is
     imported (torchtitan's trainer gets it indirectly); importing it twice is harmless.
     """
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    torch_private.register_fake_backend()
 
 
 # -- megatron-core 0.16.1 --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.builders._common import Entry, collect
 from meshsim.builders.real import _shims
 from meshsim.builders.real._adapter import check_keys, framework_refusals
@@ -113,7 +114,7 @@ def _mesh_entries(parallel: Any, root: Any, prefix: str) -> dict[str, Entry]:
             entries[prefix + name] = getattr(parallel, name)(root)
         except (RuntimeError, KeyError, ValueError, AssertionError) as error:
             entries[prefix + name] = error
-    for alias, flat in root._get_root_mesh()._flatten_mapping.items():
+    for alias, flat in torch_private.flatten_mapping(root).items():
         entries.setdefault(prefix + _plain(alias), flat)
     return entries
 

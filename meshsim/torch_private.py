@@ -1,0 +1,374 @@
+"""Every private torch name meshsim touches, each behind one accessor.
+
+torch's distributed internals (c10d's ``_World``, ``DeviceMesh``'s root and flatten
+bookkeeping, the CuTe ``_mesh_layout``, the threaded and fake test backends, DTensor's plan
+caches) change from release to release. meshsim reaches them only through this module, so a
+new torch release is a change here, and :data:`SURFACE` lists each name with the releases that
+have it: ``tests/test_torch_private.py`` checks every entry on the running torch and names the
+missing one with the torch version, instead of a failure deep inside a tier.
+
+Importing this module does not import torch; each accessor imports what it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from meshsim.errors import MeshsimError
+
+C10D = "torch.distributed.distributed_c10d"
+DEVICE_MESH = "torch.distributed.device_mesh"
+MESH_LAYOUT = "torch.distributed._mesh_layout"
+THREADED_PG = "torch.testing._internal.distributed.multi_threaded_pg"
+FAKE_PG = "torch.testing._internal.distributed.fake_pg"
+C10D_BINDINGS = "torch._C._distributed_c10d"
+FUNCOL = "torch.distributed._functional_collectives"
+DTENSOR_DEBUG = "torch.distributed.tensor.debug"
+
+
+@dataclass(frozen=True)
+class Private:
+    """One private name: ``module`` holds ``path`` (``Class.attr`` for a class member)."""
+
+    module: str
+    path: str
+    use: str  # what meshsim needs it for
+    since: tuple[int, int] = (2, 6)  # the first release that has it
+    until: tuple[int, int] | None = None  # the last release that has it (None: still there)
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.path}"
+
+    def expected(self, version: tuple[int, int]) -> bool:
+        """The release ``version`` should have this name."""
+        return self.since <= version and (self.until is None or version <= self.until)
+
+    def lookup(self) -> Any:
+        """The object, or AttributeError/ImportError naming what is missing."""
+        obj: Any = importlib.import_module(self.module)
+        for part in self.path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+SURFACE: tuple[Private, ...] = (
+    # c10d's process-global world (the in-process tiers swap it; workers reuse the world group)
+    Private(C10D, "_World", "a private world per in-process run (isolation)"),
+    Private(C10D, "_world", "the world the in-process tiers swap; group bookkeeping"),
+    Private(C10D, "_World.pg_config_info", "kept on the private world class"),
+    Private(C10D, "_get_default_group", "the world group of the running rank"),
+    Private(C10D, "_resolve_process_group", "group names in recorded calls"),
+    Private(C10D, "_new_group_with_tag", "the fake fast path: a body that patched new_group"),
+    Private(C10D, "_is_barrier_after_init", "the fake fast path: TORCH_DIST_INIT_BARRIER"),
+    Private(C10D, "ProcessGroup._get_sequence_number_for_group", "a kept world's health mark"),
+    Private(C10D_BINDINGS, "_set_thread_isolation_mode", "per-thread group names (threaded)"),
+    Private(C10D_BINDINGS, "_set_global_rank", "log prefixes restored after a run"),
+    Private("torch._C", "_is_multithreading_enabled", "autograd threading restored after a run"),
+    # DeviceMesh's bookkeeping
+    Private(DEVICE_MESH, "DeviceMesh._flatten", "flattened dims (every convention)"),
+    Private(DEVICE_MESH, "DeviceMesh._get_root_mesh", "the root of a view", since=(2, 10)),
+    Private(DEVICE_MESH, "_mesh_resources", "the root and flatten mapping; `with mesh:` stack"),
+    Private(DEVICE_MESH, "DeviceMesh._unflatten", "splitting a dim", since=(2, 10)),
+    Private(DEVICE_MESH, "DeviceMesh._init_one_process_group", "fake fast path", since=(2, 10)),
+    Private(MESH_LAYOUT, "_MeshLayout", "fake fast path: a dim's groups", since=(2, 10)),
+    Private(MESH_LAYOUT, "_FlatLayout", "fake fast path: one axis", since=(2, 13)),
+    # torch's test backends
+    Private(THREADED_PG, "ThreadLocalWorld", "the threaded tier's per-thread world"),
+    Private(THREADED_PG, "ProcessLocalGroup", "the threaded tier's process group"),
+    Private(THREADED_PG, "ProcessLocalGroup._terminate", "an aborted threaded world"),
+    Private(C10D, "ProcessGroup._get_backend", "batch_isend_irecv on the threaded tier"),
+    Private(FAKE_PG, "FakeProcessGroup", "the fake tier's process group"),
+    # collectives and DTensor
+    Private(FUNCOL, "all_reduce", "recording functional collectives"),
+    Private(DTENSOR_DEBUG, "_clear_sharding_prop_cache", "stale DTensor plans", since=(2, 11)),
+    Private("torch.distributed.tensor._random", "_rng_tracker", "DTensor's RNG per rank"),
+)
+
+
+class TorchTooOld(MeshsimError):
+    """The running torch lacks a private name a feature needs; names both versions."""
+
+
+def torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the running torch."""
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def missing(version: tuple[int, int] | None = None) -> list[str]:
+    """Names of :data:`SURFACE` the running torch should have and does not."""
+    version = version or torch_version()
+    gone: list[str] = []
+    for entry in SURFACE:
+        if not entry.expected(version):
+            continue
+        try:
+            entry.lookup()
+        except (AttributeError, ImportError):
+            gone.append(entry.name)
+    return gone
+
+
+def require(path: str, module: str = DEVICE_MESH) -> Any:
+    """The private name, or :class:`TorchTooOld` naming it, what it is for and the torch."""
+    entry = next((e for e in SURFACE if e.path == path and e.module == module), None)
+    if entry is None:  # pragma: no cover - a programming error in meshsim
+        raise KeyError(f"{module}.{path} is not in meshsim.torch_private.SURFACE")
+    try:
+        return entry.lookup()
+    except (AttributeError, ImportError) as exc:
+        import torch
+
+        since = ".".join(map(str, entry.since))
+        raise TorchTooOld(
+            f"torch {torch.__version__} has no {entry.name} ({entry.use}); "
+            f"it first appears in torch {since}"
+        ) from exc
+
+
+# -- c10d -----------------------------------------------------------------------------------
+
+
+def c10d() -> ModuleType:
+    import torch.distributed.distributed_c10d as module
+
+    return module
+
+
+def world() -> Any:
+    """c10d's ``_world``: every group's bookkeeping (``pg_map``, ``group_count``, ...)."""
+    return c10d()._world
+
+
+def set_world(value: Any) -> None:
+    c10d()._world = value
+
+
+def world_class() -> type:
+    return c10d()._World
+
+
+def default_group() -> Any:
+    return c10d()._get_default_group()
+
+
+def resolve_group(group: Any) -> Any:
+    return c10d()._resolve_process_group(group)
+
+
+def new_group_with_tag() -> Any:
+    return c10d()._new_group_with_tag
+
+
+def barrier_after_init() -> bool:
+    return c10d()._is_barrier_after_init() == 1
+
+
+def sequence_number(group: Any) -> int:
+    return int(group._get_sequence_number_for_group())
+
+
+def thread_isolation(on: bool) -> None:
+    """C++ group-name registry per thread (threaded tier) or per process."""
+    import torch
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(on)  # type: ignore[attr-defined]
+
+
+def set_global_rank(rank: int) -> None:
+    import torch
+
+    torch._C._distributed_c10d._set_global_rank(rank)  # type: ignore[attr-defined]
+
+
+def autograd_multithreading() -> bool:
+    import torch
+
+    return bool(torch._C._is_multithreading_enabled())
+
+
+def preload() -> None:
+    """Import the torch.distributed modules every rank uses (a worker's template does, once)."""
+    import torch.distributed.device_mesh  # noqa: F401
+
+    functional_collectives()
+
+
+def functional_collectives() -> ModuleType:
+    return importlib.import_module(FUNCOL)
+
+
+# -- torch's test backends ------------------------------------------------------------------
+
+
+def threaded_pg() -> ModuleType:
+    """``multi_threaded_pg``, imported once, lazily (on some releases it needs expecttest)."""
+    try:
+        return importlib.import_module(THREADED_PG)
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        from meshsim.errors import UsageError
+
+        raise UsageError(
+            f"the threaded/fake tiers need torch's test utilities, which failed to import "
+            f"({exc}); install the test extra: pip install expecttest"
+        ) from exc
+
+
+def threaded_world_aborted() -> bool:
+    """The threaded world was aborted (a rank failed) while ranks were in a collective."""
+    return bool(threaded_pg().ProcessLocalGroup._terminate.is_set())
+
+
+def make_threaded_group_its_own_backend(plg: type) -> None:
+    """A threaded group answers ``_get_backend(device)`` with itself, once per class.
+
+    torch >= 2.14's ``batch_isend_irecv`` asks ``group._get_backend(device)`` whether it may
+    coalesce. ``ProcessLocalGroup`` is a Python ``ProcessGroup`` subclass with no registered
+    device backend, so the question raised "No backend type associated with device type
+    cpu" where gloo answers "no". Answering with the group itself (no ``supports_coalescing``)
+    takes torch's one-op-at-a-time path, as on gloo; callers that caught the RuntimeError
+    (abort, uid lookup) read the same "not NCCL, no coalescing" from it.
+    """
+    if getattr(plg, "__meshsim_own_backend__", False):
+        return
+    original = plg._get_backend
+
+    def _get_backend(self: Any, device: Any) -> Any:
+        try:
+            return original(self, device)
+        except RuntimeError:
+            return self
+
+    plg._get_backend = _get_backend  # type: ignore[attr-defined]
+    plg.__meshsim_own_backend__ = True  # type: ignore[attr-defined]
+
+
+def register_fake_backend() -> None:
+    importlib.import_module(FAKE_PG)  # importing registers the "fake" backend
+
+
+def threaded_group_rank(group: Any) -> int:
+    """The rank of this thread in a threaded-tier group."""
+    return int(group._rank)
+
+
+# -- DeviceMesh -----------------------------------------------------------------------------
+
+
+def _mesh_resources() -> Any:
+    return sys.modules[DEVICE_MESH]._mesh_resources  # type: ignore[attr-defined]
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The root a view was sliced, flattened or unflattened from (itself for a root)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    return _mesh_resources().get_root_mesh(mesh)
+
+
+def flatten_mapping(mesh: Any) -> dict[str, Any]:
+    """Flattened name -> 1-D mesh, as registered on the root of ``mesh``."""
+    root = root_mesh(mesh)
+    mapping = getattr(root, "_flatten_mapping", None)
+    if mapping is None:  # torch < 2.10 keeps it in _mesh_resources
+        mapping = _mesh_resources().root_to_flatten_mapping.get(root, {})
+    return dict(mapping)
+
+
+def flatten(mesh: Any, name: str) -> Any:
+    """``mesh._flatten(name)``: one dim over all of ``mesh``'s dims, registered on the root."""
+    return mesh._flatten(name)
+
+
+def unflatten(mesh: Any, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh._unflatten(dim, sizes, names)``: ``dim`` split row-major into ``names``."""
+    require("DeviceMesh._unflatten")
+    return mesh._unflatten(dim, sizes, names)
+
+
+def has_unflatten() -> bool:
+    return hasattr(importlib.import_module(DEVICE_MESH).DeviceMesh, "_unflatten")
+
+
+def _mesh_stack() -> list[Any]:
+    """DeviceMesh's thread-local stack of ``with mesh:`` contexts (empty before any mesh)."""
+    resources = getattr(sys.modules.get(DEVICE_MESH), "_mesh_resources", None)
+    return getattr(resources, "mesh_stack", None) or []
+
+
+def mesh_stack_entered() -> bool:
+    return bool(_mesh_stack())
+
+
+def reset_mesh_stack() -> None:
+    """Leave any ``with mesh:`` context a rank left entered."""
+    _mesh_stack().clear()
+
+
+def mesh_group_factory() -> Any:
+    """``DeviceMesh._init_one_process_group`` as stored on the class (a staticmethod), or None
+    on a release that creates a mesh's groups another way."""
+    return vars(importlib.import_module(DEVICE_MESH).DeviceMesh).get("_init_one_process_group")
+
+
+def set_mesh_group_factory(factory: Any) -> None:
+    importlib.import_module(DEVICE_MESH).DeviceMesh._init_one_process_group = factory
+
+
+def mesh_layout_axis(sub_layout: Any) -> Any:
+    """One dim's ``_MeshLayout``: 2.13+ passes a ``_FlatLayout`` axis, 2.10-2.12 the layout."""
+    layout = importlib.import_module(MESH_LAYOUT)
+    if hasattr(layout, "_FlatLayout"):
+        return layout._MeshLayout([sub_layout])
+    return sub_layout
+
+
+# -- DTensor --------------------------------------------------------------------------------
+
+
+def dtensor_loaded() -> bool:
+    return "torch.distributed.tensor._api" in sys.modules
+
+
+def dtensor_rng_bound() -> bool:
+    module = sys.modules.get("torch.distributed.tensor._random")
+    return module is not None and getattr(module, "_rng_tracker", None) is not None
+
+
+def reset_dtensor_rng() -> None:
+    module = sys.modules.get("torch.distributed.tensor._random")
+    if module is not None and getattr(module, "_rng_tracker", None) is not None:
+        module._rng_tracker = None  # type: ignore[attr-defined]
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached sharding and redistribute plans (see ``isolation``)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._api import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    debug = importlib.import_module(DTENSOR_DEBUG)
+    if hasattr(debug, "_clear_sharding_prop_cache"):  # torch >= 2.11: both caches
+        debug._clear_sharding_prop_cache()
+    else:  # torch 2.10: the two caches apart; older: the propagator's own lru_cache
+        for name in ("_clear_python_sharding_prop_cache", "_clear_fast_path_sharding_prop_cache"):
+            if hasattr(debug, name):
+                getattr(debug, name)()
+        cached = getattr(propagator, "propagate_op_sharding", None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    for owner, name in (
+        (propagator, "_propagate_tensor_meta_cached"),
+        (_redistribute, "_gen_transform_infos"),
+    ):
+        cached = getattr(owner, name, None)
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
