@@ -87,11 +87,17 @@ SURFACE: tuple[Private, ...] = (
     Private(FUNCOL, "all_reduce", "recording functional collectives"),
     Private(DTENSOR_DEBUG, "_clear_sharding_prop_cache", "stale DTensor plans", since=(2, 11)),
     Private("torch.distributed.tensor._random", "_rng_tracker", "DTensor's RNG per rank"),
+    Private("torch._C", "_ensureCUDADeviceGuardSet", "no GPU: threaded DTensor", since=(2, 10)),
 )
 
 
 class TorchTooOld(MeshsimError):
-    """The running torch lacks a private name a feature needs; names both versions."""
+    """The running torch lacks a private name a feature needs; names both versions.
+
+    A program calling the missing method fails with ``AttributeError`` there (``upstream``).
+    """
+
+    upstream = "AttributeError"
 
 
 def torch_version() -> tuple[int, int]:
@@ -288,14 +294,94 @@ def flatten(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
-def unflatten(mesh: Any, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
-    """``mesh._unflatten(dim, sizes, names)``: ``dim`` split row-major into ``names``."""
-    require("DeviceMesh._unflatten")
-    return mesh._unflatten(dim, sizes, names)
+def unflatten(
+    mesh: Any,
+    dim: int | str,
+    sizes: tuple[int, ...],
+    names: tuple[str, ...],
+    *,
+    emulate: bool = False,
+) -> Any:
+    """``mesh._unflatten(dim, sizes, names)``: ``dim`` split row-major into ``names``.
+
+    On a release without ``_unflatten`` (torch < 2.10) this raises :class:`TorchTooOld`, as a
+    program calling it there fails; ``emulate=True`` (meshsim's own builders, whose frameworks
+    do not call ``_unflatten``) builds the same groups with the constructor every release has,
+    and passes ``dim`` by index (torch 2.10 raises ValueError for any dim given by name).
+    """
+    if not emulate:
+        require("DeviceMesh._unflatten")
+        return mesh._unflatten(dim, sizes, names)
+    if isinstance(dim, str):  # torch 2.10 refuses every dim given by name (its check is inverted)
+        dim = tuple(mesh.mesh_dim_names or ()).index(dim)
+    if has_unflatten():
+        return mesh._unflatten(dim, sizes, names)
+    return _unflatten_by_construction(mesh, dim, tuple(sizes), tuple(names))
 
 
 def has_unflatten() -> bool:
     return hasattr(importlib.import_module(DEVICE_MESH).DeviceMesh, "_unflatten")
+
+
+_REST = "meshsim_rest"
+
+
+def _unflatten_by_construction(
+    mesh: Any, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]
+) -> Any:
+    """``_unflatten`` for torch < 2.10, from a new root over the whole world.
+
+    Every rank lays out all of the world's copies of ``mesh`` (its root's ranks, permuted so
+    ``mesh``'s dims come last) as one tensor with ``dim`` split into ``sizes``, builds a
+    ``DeviceMesh`` over it (collective: the same groups in the same order on every rank) and
+    slices its own copy out. The groups are the ones ``_unflatten`` makes on later releases.
+    """
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    own = tuple(mesh.mesh_dim_names or ())
+    index = own.index(dim) if isinstance(dim, str) else int(dim)
+    if math.prod(sizes) != mesh.mesh.shape[index] or len(sizes) != len(names):
+        raise ValueError(
+            f"cannot unflatten dim {dim!r} of size {mesh.mesh.shape[index]} into "
+            f"{dict(zip(names, sizes))}"
+        )
+    root = root_mesh(mesh)
+    spans = [_root_dims(root, name) for name in own]
+    taken = [d for span in spans for d in span]
+    rest = [d for d in range(root.mesh.ndim) if d not in taken]
+    copies = root.mesh.permute(*rest, *taken).reshape(-1, *mesh.mesh.shape)
+    me = dist.get_rank()
+    if not any(bool((copy == me).any()) and copy.equal(mesh.mesh) for copy in copies):
+        raise TorchTooOld(
+            f"torch has no DeviceMesh._unflatten and meshsim cannot rebuild {mesh} from its "
+            f"root's dims; torch >= 2.10 unflattens any view"
+        )
+    shape = (*mesh.mesh.shape[:index], *sizes, *mesh.mesh.shape[index + 1 :])
+    new_names = (*own[:index], *names, *own[index + 1 :])
+    copies = copies.reshape(-1, *shape)
+    world = DeviceMesh(root.device_type, copies, mesh_dim_names=(_REST, *new_names))
+    if torch_version() >= (2, 9):
+        return world[new_names]
+    # torch < 2.9 cannot slice a slice: give this rank's copy a root of its own, holding the
+    # groups just made (DeviceMesh._dim_group_infos: tag, ranks, name per dim).
+    (mine,) = (copy for copy in copies if bool((copy == me).any()))
+    view = DeviceMesh(root.device_type, mine, mesh_dim_names=new_names, _init_backend=False)
+    view._dim_group_infos = world._dim_group_infos[1:]
+    return view
+
+
+def _root_dims(root: Any, name: str) -> tuple[int, ...]:
+    """The root dims a dim of a view spans (one, or a flattened name's several)."""
+    root_names = tuple(root.mesh_dim_names or ())
+    if name in root_names:
+        return (root_names.index(name),)
+    flattened = _mesh_resources().flatten_name_to_root_dims.get(root, {})
+    if name in flattened:
+        return tuple(flattened[name])
+    raise TorchTooOld(f"torch < 2.10: cannot find dim {name!r} of a view on its root {root}")
 
 
 def _mesh_stack() -> list[Any]:
@@ -308,9 +394,25 @@ def mesh_stack_entered() -> bool:
     return bool(_mesh_stack())
 
 
-def reset_mesh_stack() -> None:
-    """Leave any ``with mesh:`` context a rank left entered."""
+#: ``_mesh_resources`` registries of torch < 2.10, keyed by meshes that compare equal by
+#: value: a rank run after another in the same thread (the fake tier) would get the previous
+#: rank's flattened meshes back ("Quick return if the flatten mesh has been created before").
+_OLD_MESH_REGISTRIES = (
+    "child_to_root_mapping",
+    "root_to_flatten_mapping",
+    "flatten_name_to_root_dims",
+    "mesh_dim_group_options",
+)
+
+
+def reset_mesh_resources() -> None:
+    """Forget the meshes a rank made: ``with mesh:`` contexts, and torch < 2.10's registries."""
     _mesh_stack().clear()
+    resources = getattr(sys.modules.get(DEVICE_MESH), "_mesh_resources", None)
+    for name in _OLD_MESH_REGISTRIES:
+        registry = getattr(resources, name, None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def mesh_group_factory() -> Any:
@@ -332,6 +434,22 @@ def mesh_layout_axis(sub_layout: Any) -> Any:
 
 
 # -- DTensor --------------------------------------------------------------------------------
+
+
+def settle_cuda_device_guard() -> None:
+    """Install torch's no-op CUDA device guard now, from this thread, where CUDA is absent.
+
+    A CUDA build of torch on a machine without a GPU swaps it in the first time DTensor's
+    shape propagation enters a ``FakeTensorMode`` (``torch._C._ensureCUDADeviceGuardSet``).
+    Done from a rank thread while other ranks run DTensor code, the swap segfaulted torch
+    2.10 (the second threaded run of a process that shards modules). Done once up front, the
+    later calls find it set.
+    """
+    import torch
+
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None and torch.version.cuda is not None and not torch.cuda.is_available():
+        ensure()
 
 
 def dtensor_loaded() -> bool:

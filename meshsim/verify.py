@@ -24,6 +24,9 @@ from meshsim.model.conventions import expect
 from meshsim.model.expected import Expected
 from meshsim.model.sweep import LayoutCase
 
+#: meshsim's own errors that stand for a refusal, with the framework's exception in ``upstream``
+#: (``TorchTooOld``: a torch release without the method the framework calls).
+_REFUSALS = frozenset({"FrameworkRejection", "TorchTooOld"})
 #: Exception types torch's DeviceMesh raises for a layout it refuses; a builder stopping with
 #: one of these mirrors a framework error (anything else, e.g. TypeError, is a builder bug).
 _MIRRORED = frozenset({"RuntimeError", "ValueError", "KeyError", "AssertionError", "IndexError"})
@@ -79,12 +82,12 @@ class BuildFailure:
     @property
     def mirrored(self) -> bool:
         """True when the error stands for a framework/torch refusal rather than a builder bug."""
-        return self.error_type == "FrameworkRejection" or self.error_type in _MIRRORED
+        return self.error_type in _REFUSALS or self.error_type in _MIRRORED
 
     @property
     def raised(self) -> str | None:
         """The exception type the framework would raise, as the builder claims it."""
-        if self.error_type == "FrameworkRejection":
+        if self.error_type in _REFUSALS:
             return self.upstream
         return self.error_type
 

@@ -122,3 +122,30 @@ def test_unflatten_splits_a_dim_row_major():
 def test_unflatten_on_a_release_without_it_names_both_versions():
     with pytest.raises(meshsim.RankFailure, match=r"has no .*DeviceMesh\._unflatten.*2\.10"):
         meshsim.run(_split, world_size=4, backend="threaded", timeout=120)
+
+
+def _emulated() -> dict[str, list[int]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = init_device_mesh("cpu", (2, 4), mesh_dim_names=("a", "b"))
+    split = torch_private.unflatten(root, "b", (2, 2), ("b1", "b2"), emulate=True)
+    flat = torch_private.flatten(root, "ab")
+    again = torch_private.unflatten(flat, 0, (4, 2), ("x", "y"), emulate=True)
+    views = {name: split[name] for name in ("a", "b1", "b2")}
+    views |= {name: again[name] for name in ("x", "y")}
+    return {name: sorted(view.mesh.flatten().tolist()) for name, view in views.items()}
+
+
+def test_unflatten_for_a_framework_that_never_calls_it_works_on_every_release():
+    # meshsim's Megatron/DeepSpeed builders split dims with _unflatten; on torch < 2.10 the
+    # same groups come from a DeviceMesh built over the world (nothing to skip there).
+    result = meshsim.run(_emulated, world_size=8, backend="threaded", timeout=120)
+    for rank, groups in enumerate(result):
+        a, b1, b2 = rank // 4, rank % 4 // 2, rank % 2
+        assert groups == {
+            "a": [b1 * 2 + b2, 4 + b1 * 2 + b2],
+            "b1": [a * 4 + b2, a * 4 + 2 + b2],
+            "b2": [a * 4 + b1 * 2, a * 4 + b1 * 2 + 1],
+            "x": [rank % 2 + 2 * i for i in range(4)],
+            "y": [rank // 2 * 2, rank // 2 * 2 + 1],
+        }, f"rank {rank}"

@@ -184,5 +184,5 @@ def _expert_groups(world_size: int, tp: int, ep: int, pp: int, before: bool) -> 
         else (("expert_data", dp // ep), ("expert", ep))
     )
     sizes, names = tuple(s for _, s in order), tuple(n for n, _ in order)
-    split = torch_private.unflatten(dense, "moe_data", sizes, names)
+    split = torch_private.unflatten(dense, "moe_data", sizes, names, emulate=True)
     return {"expert": split["expert"], "expert_data": split["expert_data"]}

@@ -83,7 +83,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     entries["dp"], entries["cp"] = groups["dp"], groups["cp"]
     if hcp:
         levels = [f"hcp{i}" for i in range(len(hcp))]
-        split = torch_private.unflatten(groups["cp"], 0, hcp[::-1], levels[::-1])
+        split = torch_private.unflatten(groups["cp"], 0, hcp[::-1], levels[::-1], emulate=True)
         for i, name in enumerate(levels):
             entries[f"hierarchical_cp:{i}"] = split[name]
     for token in ("tp-pp", "tp", "pp"):
@@ -251,7 +251,7 @@ def _token_mesh(root: DeviceMesh, token: str, prefix: str = "") -> DeviceMesh:
 def _chunks(group: DeviceMesh, size: int, name: str) -> DeviceMesh:
     """Consecutive chunks of ``size`` members of a live 1-D group (``_unflatten``, inner dim)."""
     outer = (group.size() // size, size), (f"{name}_outer", name)
-    return torch_private.unflatten(group, 0, *outer)[name]
+    return torch_private.unflatten(group, 0, *outer, emulate=True)[name]
 
 
 def _embedding_groups(
@@ -277,7 +277,7 @@ def _embedding_groups(
 def _partial_expert_groups(expert: DeviceMesh, edp: int, instances: int) -> dict[str, Entry]:
     """Expert DP split hierarchically as [edp / k, k], and one optimizer instance's ranks."""
     sizes = (instances, edp // instances)
-    split = torch_private.unflatten(expert, "expert:dp", sizes, ("inter", "intra"))
+    split = torch_private.unflatten(expert, "expert:dp", sizes, ("inter", "intra"), emulate=True)
     names = tuple(split.mesh_dim_names or ())
     rest = tuple(n for n in names if n != "inter")
     entries = {

@@ -69,7 +69,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         # Contiguous blocks of tp * dp ranks, whatever the mesh: unflatten the world into them.
         line = mesh((world_size,), ("ranks",))
         sizes = (world_size // (tp * dp), tp * dp)
-        blocks = torch_private.unflatten(line, 0, sizes, ("amax_outer", "amax"))
+        blocks = torch_private.unflatten(line, 0, sizes, ("amax_outer", "amax"), emulate=True)
         entries["amax"] = blocks["amax"]
     return collect(entries)
 

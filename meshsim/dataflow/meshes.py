@@ -127,7 +127,7 @@ def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> Train
     # The loader's view (pp, batch, cp, tp), with real groups (torchtitan backs batch with the
     # fake backend: the loader only reads its rank and size).
     loading = torch_private.unflatten(
-        world, 0, (pp, dpr * dps, cp, tp), ("pp", "batch", "cp", "tp")
+        world, 0, (pp, dpr * dps, cp, tp), ("pp", "batch", "cp", "tp"), emulate=True
     )
     if real:
         from meshsim.builders.real import _shims
@@ -144,7 +144,7 @@ def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> Train
         tp_mesh, cp_mesh, pp_mesh = get("tp"), get("cp"), get("pp")
     else:
         dense = torch_private.unflatten(
-            world, 0, (pp, dpr, dps * cp, tp), ("pp", "dp_replicate", "fsdp", "tp")
+            world, 0, (pp, dpr, dps * cp, tp), ("pp", "dp_replicate", "fsdp", "tp"), emulate=True
         )
         batch = loading["batch"] if dpr * dps > 1 else None
         grad = dense["dp_replicate", "fsdp"] if dpr > 1 else dense["fsdp"]

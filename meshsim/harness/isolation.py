@@ -124,7 +124,7 @@ def reset_rank_state(*, keep_default: bool = False) -> None:
 
     if dist.is_initialized() and not keep_default:
         dist.destroy_process_group()
-    torch_private.reset_mesh_stack()
+    torch_private.reset_mesh_resources()
     torch_private.reset_dtensor_rng()
     if torch_private.dtensor_loaded():
         forget_dtensor_plans()

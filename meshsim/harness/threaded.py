@@ -239,6 +239,7 @@ class ThreadedBackend:
         _wait_for_survivors(job.timeout)
         plg = threaded_pg_module().ProcessLocalGroup
         mailbox.install(plg)  # point-to-point, which torch's threaded backend lacks
+        torch_private.settle_cuda_device_guard()  # before rank threads race to (torch 2.10)
         recorder.install()
         survivors: tuple[int, ...] = ()
         timed_out = diverged = False

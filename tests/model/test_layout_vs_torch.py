@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshsim import Layout, LayoutError
+from meshsim import Layout, LayoutError, torch_private
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -35,6 +35,7 @@ def fake_rank() -> Iterator[object]:
     def init(rank: int, world: int) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch_private.reset_mesh_resources()  # torch < 2.10 keeps meshes in a global registry
         dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
 
     yield init

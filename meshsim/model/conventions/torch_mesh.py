@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import _torch_backend, reject_unknown
+from meshsim.model.conventions import _torch_backend, _torch_release, reject_unknown
 from meshsim.model.expected import ROLES, Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import ordered_factorizations
@@ -183,6 +183,8 @@ def _apply(views: list[Layout], op: Op) -> None:
             if verb == "flatten":
                 views[i] = view[wanted].flatten(name=args[1]).root()
             else:
+                _torch_release.require_unflatten(f"unflatten {args[0]!r}")
+                _torch_release.require_unflatten_by_name(args[0], view.dim_names)
                 views.append(view.unflatten(*args))
             return
     raise LayoutError(f"{verb} names dims {wanted} that no mesh view holds together")

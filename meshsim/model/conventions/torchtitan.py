@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
+from meshsim.model.conventions import _torch_release, reject_unknown
 from meshsim.model.conventions import _torchtitan_api as api
-from meshsim.model.conventions import reject_unknown
 from meshsim.model.conventions._torchtitan_legacy import (
     Degrees,
     check,
@@ -113,6 +113,7 @@ def expect(world_size: int, **config: Any) -> Expected:
             normal["ulysses_degree"] = ulysses
     else:
         views = _views(world_size, version, backend, raw)
+        _torch_release.require_unflatten(f"torchtitan {version!r} build_mesh")
         degrees = views.degrees
         kinds = views.kinds()
         if version == "current":

@@ -1,0 +1,69 @@
+"""Which torch release the reference describes, and what that release lacks.
+
+The ``torch`` and ``torchtitan`` conventions model calls that only exist from some release on
+(``DeviceMesh._unflatten``: torch 2.10). The reference follows the torch that is installed,
+read from its package metadata (torch itself is not imported), so on torch 2.9 it says what
+2.9 does: ``_unflatten`` raises ``AttributeError``, and ``verify`` agrees with the live run.
+Without torch installed it describes the newest release. ``MESHSIM_TORCH_RELEASE`` pins the
+release described (``2.9``, or ``newest``): meshsim's own model tests pin ``newest``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from importlib import metadata
+
+from meshsim.errors import LayoutError
+
+#: The first release with ``DeviceMesh._unflatten``.
+UNFLATTEN_SINCE = (2, 10)
+#: Releases whose ``_unflatten`` refuses every dim given by name (an inverted membership test:
+#: ``ValueError: dim world specified in `_unflatten` is not in ('world',)``).
+UNFLATTEN_BY_NAME_BROKEN = frozenset({(2, 10)})
+
+
+@functools.cache
+def installed() -> tuple[int, int] | None:
+    """``(major, minor)`` of the installed torch, or None when there is none."""
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def target() -> tuple[int, int] | None:
+    """The release the reference describes; None for the newest."""
+    pinned = os.environ.get("MESHSIM_TORCH_RELEASE", "").strip()
+    if pinned == "newest":
+        return None
+    if pinned:
+        found = re.fullmatch(r"(\d+)\.(\d+)(\.\d+)?", pinned)
+        if found is None:
+            raise LayoutError(f"MESHSIM_TORCH_RELEASE={pinned!r}: expected e.g. 2.9 or newest")
+        return int(found[1]), int(found[2])
+    return installed()
+
+
+def require_unflatten_by_name(dim: object, names: tuple[str, ...]) -> None:
+    """Raise what torch 2.10 raises for ``_unflatten`` of a dim given by name."""
+    if isinstance(dim, str) and target() in UNFLATTEN_BY_NAME_BROKEN:
+        raise LayoutError(
+            f"dim {dim} specified in `_unflatten` is not in {names} (torch 2.10 refuses "
+            f"every dim given by name; pass its index)",
+            upstream="ValueError",
+        )
+
+
+def require_unflatten(what: str) -> None:
+    """Raise what the described torch raises for ``what`` when it has no ``_unflatten``."""
+    release = target()
+    if release is not None and release < UNFLATTEN_SINCE:
+        raise LayoutError(
+            f"{what}: torch {release[0]}.{release[1]} has no DeviceMesh._unflatten "
+            f"(it first appears in torch {UNFLATTEN_SINCE[0]}.{UNFLATTEN_SINCE[1]})",
+            upstream="AttributeError",
+        )
