@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from meshsim.errors import LayoutError
 from meshsim.model import mesh_layout as _ml
+from meshsim.model import torch_release
 from meshsim.model.groups import Group, Groups, RankGroup
 
 AxisSpec = tuple[str, int]
@@ -398,7 +399,7 @@ class Layout:
             raise LayoutError(
                 f"{name} already exists for submesh of the {self.root()!r}. The mesh_dim_name "
                 f"should be different from existing root dim names {self._names}.",
-                upstream="ValueError",
+                upstream=torch_release.flatten_name_taken_error(),
             )
         if name in self._aliases and self._aliases[name] != axes:
             raise LayoutError(

@@ -9,3 +9,9 @@ import pytest
 @pytest.fixture(autouse=True)
 def _newest_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "newest")
+
+
+@pytest.fixture
+def installed_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests that hold the reference against the torch installed: describe that one."""
+    monkeypatch.delenv("MESHSIM_TORCH_RELEASE")

@@ -25,7 +25,16 @@ from meshsim.model.mesh_layout import FlatLayout, MeshLayout, coalesce
 from tests.model.strategies import layouts
 
 torch = pytest.importorskip("torch")
-tl = pytest.importorskip("torch.distributed._mesh_layout")
+try:
+    import torch.distributed._mesh_layout as tl
+except ImportError:  # torch < 2.10
+    tl = None
+#: The tests against torch need its CuTe layout as of 2.13 (``_FlatLayout`` axes); 2.10-2.12
+#: kept one ``_MeshLayout`` per dim with another API, older releases a rank tensor per view.
+needs_cute = pytest.mark.skipif(
+    not hasattr(tl, "_FlatLayout"),
+    reason=f"torch {torch.__version__} has no CuTe _FlatLayout (torch >= 2.13)",
+)
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -61,6 +70,7 @@ def _agree(ours: Callable[[], Any], theirs: Callable[[], Any]) -> tuple[Any, Any
     return ours(), expected
 
 
+@needs_cute
 @SETTINGS
 @given(modes)
 def test_normalised_modes_numel_cosize_and_checks(pairs: list[tuple[int, int]]) -> None:
@@ -74,6 +84,7 @@ def test_normalised_modes_numel_cosize_and_checks(pairs: list[tuple[int, int]]) 
     assert ours.all_ranks_from_zero() == theirs.all_ranks_from_zero()
 
 
+@needs_cute
 @SETTINGS
 @given(modes, st.integers(1, 300))
 def test_complement_and_global_ranks(pairs: list[tuple[int, int]], world: int) -> None:
@@ -84,6 +95,7 @@ def test_complement_and_global_ranks(pairs: list[tuple[int, int]], world: int) -
         assert ours.global_ranks(world).tolist() == theirs.global_ranks(world)
 
 
+@needs_cute
 @SETTINGS
 @given(positive_modes, st.lists(sizes, min_size=1, max_size=3), st.booleans())
 def test_composition(pairs: list[tuple[int, int]], axes: list[list[int]], strided: bool) -> None:
@@ -102,6 +114,7 @@ def test_composition(pairs: list[tuple[int, int]], axes: list[list[int]], stride
         _same(*both)
 
 
+@needs_cute
 @settings(max_examples=100, deadline=None)
 @given(st.lists(positive_modes, min_size=1, max_size=3), st.integers(0, 3), st.randoms())
 def test_mesh_layout_collapse_splice_remap(
@@ -126,6 +139,7 @@ def test_mesh_layout_collapse_splice_remap(
             assert both[0].tolist() == both[1].tolist()
 
 
+@needs_cute
 @SETTINGS
 @given(sizes, st.data())
 def test_unflatten_is_composition_then_splice(mesh: list[int], data: st.DataObject) -> None:
@@ -160,6 +174,7 @@ def test_worked_examples() -> None:
 # -- Layout <-> torch's _layout on real DeviceMesh objects ----------------------------------------
 
 
+@needs_cute
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts(max_world=64, max_axes=4), st.data())
 def test_layout_mesh_layout_matches_device_mesh(layout: Layout, data: st.DataObject) -> None:
@@ -209,6 +224,7 @@ def dist_ranks(mesh: Any, dim: str) -> list[int]:
     return dist.get_process_group_ranks(mesh.get_group(dim))
 
 
+@needs_cute
 def test_unflatten_across_non_adjacent_axes_is_rejected_like_torch() -> None:
     """torch 2.13 splits a dim by composition, which asserts when a split cuts across the
     axes a flattened dim joined; the grid reshape meshsim used before answered instead."""

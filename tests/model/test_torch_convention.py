@@ -9,6 +9,7 @@ import pytest
 
 import meshsim
 from meshsim import LayoutError
+from meshsim.model import torch_release
 from meshsim.model.invariants import find_violations
 from meshsim.model.sweep import ordered_factorizations
 
@@ -171,15 +172,31 @@ BACKEND_OVERRIDES = [
     ({"tp": None}, "TypeError"),
     ({"tp": ("fake", None, None)}, "ValueError"),
     ({"tp": (5, None)}, "ValueError"),
-    ({"tp": ("fake", "not options")}, "AttributeError"),
+    pytest.param(
+        {"tp": ("fake", "not options")},
+        "AttributeError",
+        marks=pytest.mark.xfail(
+            torch_release.installed() is not None and torch_release.installed() < (2, 10),
+            reason="torch < 2.10 raises TypeError on each rank when it creates its own group, "
+            "so ranks stop at different steps; verify's builder returns the error instead of "
+            "raising it, and the harness then judges the uneven group creations final and "
+            "reports a divergence no real run has (open: a returned failure must count as "
+            "cut short)",
+            strict=True,
+        ),
+    ),
     ({"tp": "no-such-backend"}, "AssertionError"),
 ]
 
 
 @pytest.mark.parametrize(("override", "upstream"), BACKEND_OVERRIDES, ids=repr)
 def test_backend_override_forms_match_init_device_mesh(
-    override: dict[object, object], upstream: str | None
+    override: dict[object, object], upstream: str | None, installed_torch: None
 ) -> None:
+    if upstream == "AttributeError":  # options that are not Options: TypeError before 2.10
+        upstream = torch_release.backend_options_error()
+    if torch_release._before(torch_release.BACKEND_OVERRIDE_SINCE):
+        upstream = "TypeError"  # no backend_override keyword at all
     config = {"mesh_shape": (2, 4), "mesh_dim_names": ("dp", "tp"), "backend_override": override}
     if upstream is None:
         expected = meshsim.expect("torch", 8, **config)

@@ -17,6 +17,7 @@ from itertools import zip_longest
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
+from meshsim.model import torch_release
 
 #: c10d's built-in backend names, plus ``fake`` (registered by torch's fake_pg module).
 BACKENDS: Final = frozenset({"gloo", "nccl", "ucc", "mpi", "xccl", "fake"})
@@ -86,7 +87,7 @@ def _value(value: Any, dim: str) -> BackendConfig:
         raise LayoutError(
             f"backend_override[{dim!r}]: options {options!r} is not a c10d Options object "
             f"(no '_timeout')",
-            upstream="AttributeError",
+            upstream=torch_release.backend_options_error(),
         )
     return (None if backend is None else _backend(backend, dim), options or None)
 

@@ -17,7 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import _torch_backend, _torch_release, reject_unknown
+from meshsim.model import torch_release as _torch_release
+from meshsim.model.conventions import _torch_backend, reject_unknown
 from meshsim.model.expected import ROLES, Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import ordered_factorizations
@@ -94,6 +95,8 @@ def _local_rank_kind(root: Layout) -> Kind:
 
 def _backend_override(root: Layout, config: Mapping[str, Any]) -> tuple[Any, ...] | None:
     override = config.get("backend_override")
+    if override is not None:
+        _torch_release.require_backend_override()
     if override is not None and "mesh" in config:
         raise LayoutError(
             "backend_override is modelled for init_device_mesh (mesh_shape) only; "

@@ -28,8 +28,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import _torch_release, reject_unknown
+from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import _torchtitan_api as api
+from meshsim.model.conventions import reject_unknown
 from meshsim.model.conventions._torchtitan_legacy import (
     Degrees,
     check,

@@ -48,6 +48,37 @@ def target() -> tuple[int, int] | None:
     return installed()
 
 
+#: The first release whose ``init_device_mesh`` takes ``backend_override`` (2.6: absent,
+#: 2.9: present; 2.8 added it).
+BACKEND_OVERRIDE_SINCE = (2, 8)
+
+
+def _before(release: tuple[int, int]) -> bool:
+    described = target()
+    return described is not None and described < release
+
+
+def flatten_name_taken_error() -> str:
+    """What ``_flatten`` into a root dim's name raises: RuntimeError before 2.10."""
+    return "RuntimeError" if _before((2, 10)) else "ValueError"
+
+
+def backend_options_error() -> str:
+    """What ``backend_override`` with a non-Options second item raises: TypeError before 2.10."""
+    return "TypeError" if _before((2, 10)) else "AttributeError"
+
+
+def require_backend_override() -> None:
+    """Raise what ``init_device_mesh(..., backend_override=...)`` raises before 2.8."""
+    if _before(BACKEND_OVERRIDE_SINCE):
+        release = target()
+        raise LayoutError(
+            f"init_device_mesh() got an unexpected keyword argument 'backend_override' "
+            f"(torch {release[0]}.{release[1]} has none; it first appears in torch 2.8)",  # type: ignore[index]
+            upstream="TypeError",
+        )
+
+
 def require_unflatten_by_name(dim: object, names: tuple[str, ...]) -> None:
     """Raise what torch 2.10 raises for ``_unflatten`` of a dim given by name."""
     if isinstance(dim, str) and target() in UNFLATTEN_BY_NAME_BROKEN:
