@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs the default suite and the main job on each torch release, one venv per release.
 #
-# Usage: bash ci/matrix.sh [VERSION ...]   (default: 2.6.0 2.9.1 2.10.0 2.13.0 2.14.1 2.15.0)
+# Usage: bash ci/matrix.sh [--strict] [VERSION ...]
+#        (default versions: 2.6.0 2.9.1 2.10.0 2.13.0 2.14.1 2.15.0)
+#
+# --strict: exit 1 when any release fails to install, fails a test or fails the main job (CI's
+# compatibility lane runs `bash ci/matrix.sh --strict 2.15.0`); without it the table is the
+# result and the exit status is 0.
 #
 # Each release gets its own venv, .venvs/torch-<version> (MESHSIM_VENVS sets the folder),
 # created on first use and reused after. torch is installed first and pinned: meshsim and its
@@ -16,6 +21,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 venvs=${MESHSIM_VENVS:-$root/.venvs}
+strict=0
+if [ "${1:-}" = "--strict" ]; then
+    strict=1
+    shift
+fi
 versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=(2.6.0 2.9.1 2.10.0 2.13.0 2.14.1 2.15.0)
 out="benchmarks/results/matrix-$(date +%Y%m%d-%H%M%S)"
@@ -26,6 +36,7 @@ summary() {  # the pytest summary line of a log, without the '=' rulers
 }
 
 rows=()
+failed=0
 for v in "${versions[@]}"; do
     venv="$venvs/torch-$v"
     py="$venv/bin/python"
@@ -36,17 +47,17 @@ for v in "${versions[@]}"; do
     have=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
     if [ "$have" != "$v" ]; then
         "$py" -m pip install --quiet --disable-pip-version-check "torch==$v" >"$log-install.log" 2>&1 \
-            || { rows+=("| $v | install failed (see $log-install.log) | - | - |"); continue; }
+            || { rows+=("| $v | install failed (see $log-install.log) | - | - |"); failed=1; continue; }
     fi
     "$py" -m pip install --quiet --disable-pip-version-check -c <(echo "torch==$v") -e ".[test]" \
         >>"$log-install.log" 2>&1 \
-        || { rows+=("| $v | meshsim install failed (see $log-install.log) | - | - |"); continue; }
+        || { rows+=("| $v | meshsim install failed (see $log-install.log) | - | - |"); failed=1; continue; }
     # shellcheck disable=SC2086 - MESHSIM_MATRIX_TESTS is a list of pytest arguments
     "$py" -m pytest -m "not slow" --ignore=tests/real -n 2 -q -p no:cacheprovider \
-        ${MESHSIM_MATRIX_TESTS:-} >"$log-suite.log" 2>&1 || true
+        ${MESHSIM_MATRIX_TESTS:-} >"$log-suite.log" 2>&1 || failed=1
     main="ok"
     "$venv/bin/meshsim" sweep --world-size 8 --communicate 2 >"$log-main.log" 2>&1 \
-        || main="failed (rc $?)"
+        || { main="failed (rc $?)"; failed=1; }
     built=$("$py" -c 'import torch; print(torch.__version__)')
     rows+=("| $built | $(summary "$log-suite.log") | $main | $(((SECONDS - start) / 60)) |")
 done
@@ -58,3 +69,8 @@ done
     echo "|---|---|---|---|"
     printf '%s\n' "${rows[@]}"
 } | tee "$out/table.md"
+if [ "$strict" = 1 ] && [ "$failed" = 1 ]; then
+    echo "ci/matrix.sh --strict: a release failed (logs under $out)" >&2
+    tail -n 30 "$out"/*-suite.log >&2 || true
+    exit 1
+fi

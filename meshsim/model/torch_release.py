@@ -79,6 +79,20 @@ def require_backend_override() -> None:
         )
 
 
+def require_flatten_of_flattened(what: str) -> None:
+    """Raise what ``_flatten`` of a view holding a flattened dim raises before torch 2.10.
+
+    Releases before 2.10 look every dim of the flattened view up among the root's own dims
+    (``root.mesh_dim_names.index(name)``), so a flattened name is not found.
+    """
+    if _before((2, 10)):
+        raise LayoutError(
+            f"{what}: tuple.index(x): x not in tuple (torch before 2.10 flattens root dims "
+            f"only, not a dim that is itself flattened)",
+            upstream="ValueError",
+        )
+
+
 def require_unflatten_by_name(dim: object, names: tuple[str, ...]) -> None:
     """Raise what torch 2.10 raises for ``_unflatten`` of a dim given by name."""
     if isinstance(dim, str) and target() in UNFLATTEN_BY_NAME_BROKEN:

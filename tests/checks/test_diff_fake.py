@@ -9,6 +9,7 @@ import pytest
 import meshsim
 from meshsim.checks import Observation, ObservedLayout, assert_layout, diff, format_ranks, observe
 from meshsim.errors import LayoutMismatch, UsageError
+from tests.fake_rank import as_fake_rank
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -19,11 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 def observe_every_rank(world: int, build: Callable[[], DeviceMesh]) -> list[Observation]:
     out = []
     for rank in range(world):
-        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
-        try:
+        with as_fake_rank(rank, world):
             out.append(observe(build()))
-        finally:
-            dist.destroy_process_group()
     return out
 
 

@@ -9,6 +9,7 @@ import pytest
 
 import meshsim
 from meshsim.model.groups import Groups, RankGroup
+from tests.fake_rank import as_fake_rank
 
 
 def test_group_equals_list_both_ways_and_hashes_as_tuple() -> None:
@@ -50,18 +51,15 @@ def test_groups_equality_and_containment_accept_lists() -> None:
 
 def test_torch_rank_lists_equal_the_reference_groups() -> None:
     dist = pytest.importorskip("torch.distributed")
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    pytest.importorskip("torch.testing._internal.distributed.fake_pg")
     from torch.distributed.device_mesh import init_device_mesh
 
     layout = meshsim.Layout(dp=2, tp=2)
     for rank in range(4):
-        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=4)
-        try:
+        with as_fake_rank(rank, 4):
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             for dim in ("dp", "tp"):
                 ranks = dist.get_process_group_ranks(mesh.get_group(dim))
                 assert isinstance(ranks, list)
                 assert ranks == layout.group_of(rank, dim)
                 assert layout.group_of(rank, dim) == ranks
-        finally:
-            dist.destroy_process_group()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from meshsim.errors import LayoutError
+from meshsim.model import torch_release
 from meshsim.model.expected import Kind, layout_kind
 from meshsim.model.layout import Layout
 
@@ -285,6 +286,7 @@ def hyper_parallel(d: Degrees) -> tuple[dict[str, Kind], dict[str, str], Layout 
     if "cp" in kept:
         flattens["loss"] = [*data, "cp"]
     elif data:
+        torch_release.require_flatten_of_flattened("hyper_parallel: mesh['dp']._flatten('loss')")
         flattens["loss"] = ["dp"]  # mesh["dp"].flatten("loss"): the same group under a 2nd name
     kinds, root = root_kinds(dims, flattens, HYPER_DESCRIPTIONS)
     return kinds, pick_roles(kinds, HYPER_ROLES), root

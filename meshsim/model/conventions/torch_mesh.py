@@ -184,6 +184,8 @@ def _apply(views: list[Layout], op: Op) -> None:
         known = set(view.dim_names) | set(view.aliases)
         if set(wanted) <= known:
             if verb == "flatten":
+                if set(wanted) & set(view.aliases):
+                    _torch_release.require_flatten_of_flattened(f"flatten {wanted}")
                 views[i] = view[wanted].flatten(name=args[1]).root()
             else:
                 _torch_release.require_unflatten(f"unflatten {args[0]!r}")
