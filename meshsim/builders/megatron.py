@@ -279,7 +279,10 @@ def _partial_expert_groups(expert: DeviceMesh, edp: int, instances: int) -> dict
     sizes = (instances, edp // instances)
     split = torch_private.unflatten(expert, "expert:dp", sizes, ("inter", "intra"), emulate=True)
     names = tuple(split.mesh_dim_names or ())
-    rest = tuple(n for n in names if n != "inter")
+    shape = dict(zip(names, split.mesh.shape))
+    # Size-1 dims leave the group as it is; torch 2.10-2.12 refuse some slices through them
+    # (their strides are compared too), so only the dims that matter are sliced.
+    rest = tuple(n for n in names if n != "inter" and shape[n] > 1) or ("intra",)
     entries = {
         "expert:intra_dp": split["intra"],
         "expert:inter_dp": split["inter"],

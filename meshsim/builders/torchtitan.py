@@ -214,12 +214,13 @@ class _Replica:
 
 
 def _root_entries(root: DeviceMesh, names: tuple[str, ...]) -> dict[str, Entry]:
-    """``root[name]`` for each name, or the KeyError torch raises for a name it lacks."""
+    """``root[name]`` for each name, or what torch raises for it: KeyError for a name it lacks,
+    NotImplementedError (torch 2.10-2.12) for a flattened dim that is not contiguous."""
     entries: dict[str, Entry] = {}
     for name in names:
         try:
             entries[name] = root[name]
-        except KeyError as error:
+        except (KeyError, NotImplementedError) as error:
             entries[name] = error
     return entries
 

@@ -145,7 +145,9 @@ class NonMemberFastPath:
 def _make_plan(sub_layout: Any, rank_map: Any, dim_name: str) -> _Plan | None:
     """Rows of the dim as torch computes them; ``None`` unless every rank is in one valid row."""
     axis = torch_private.mesh_layout_axis(sub_layout)
-    rows = tuple(tuple(sorted(row)) for row in axis.remap_to_tensor(rank_map).tolist())
+    # One row per group: torch 2.10-2.12 give a flattened dim's groups one tensor dim per mode.
+    table = axis.remap_to_tensor(rank_map)
+    rows = tuple(tuple(sorted(row)) for row in table.reshape(table.shape[0], -1).tolist())
     row_of: dict[int, int] = {}
     for index, row in enumerate(rows):
         if len(set(row)) != len(row) or (row and row[0] < 0):

@@ -11,6 +11,7 @@ reshape, and per-rank queries cost O(ndim).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -362,9 +363,7 @@ class Layout:
             raise LayoutError(
                 f"Slicing overlapping dim_names {names} is not allowed.", upstream="RuntimeError"
             )
-        # torch compares collapsed layouts, in which size-1 modes vanish.
-        effective = [a for a in flat if self._grid.shape[a] != 1]
-        if effective != sorted(effective):
+        if not self._slice_in_order(spans):
             wanted = tuple(sorted(names, key=lambda n: min(self._axes_of(n))))
             raise LayoutError(
                 f"Invalid mesh_dim_names {names} specified. Mesh dim indices should be in "
@@ -372,6 +371,29 @@ class Layout:
                 upstream="KeyError",
             )
         return Layout._make(self._grid, self._names, names, self._aliases)
+
+    def _slice_in_order(self, spans: Sequence[tuple[int, ...]]) -> bool:
+        """Whether torch (the release described) takes the sliced dims in this order."""
+        rule = torch_release.slice_order_rule()
+        if rule == "collapsed":  # torch >= 2.13 compares collapsed layouts: size-1 modes vanish
+            effective = [a for span in spans for a in span if self._grid.shape[a] != 1]
+            return effective == sorted(effective)
+        if rule == "indices":  # torch < 2.10: root dim indices (a flattened dim's last) ascend
+            last = [span[-1] for span in spans]
+            return all(a < b for a, b in itertools.pairwise(last))
+        # torch 2.10-2.12: each dim's own stride, size-1 dims included, must not increase
+        strides = _ml.suffix_strides(self._grid.shape)
+        order = []
+        for span in spans:
+            modes = [(int(self._grid.shape[a]), strides[a]) for a in span]
+            merged = _ml.coalesce(modes) if len(span) > 1 else modes
+            if len(merged) > 1:
+                raise LayoutError(
+                    "Currently, this only allows slicing out a contiguous flattened dim.",
+                    upstream="NotImplementedError",
+                )
+            order.append(merged[0][1] if merged else 0)
+        return all(a >= b for a, b in itertools.pairwise(order))
 
     def _sort_key(self, name: str) -> tuple[int, str]:
         return (min(self._axes_of(name)), name)

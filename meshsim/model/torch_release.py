@@ -21,7 +21,7 @@ from meshsim.errors import LayoutError
 UNFLATTEN_SINCE = (2, 10)
 #: Releases whose ``_unflatten`` refuses every dim given by name (an inverted membership test:
 #: ``ValueError: dim world specified in `_unflatten` is not in ('world',)``).
-UNFLATTEN_BY_NAME_BROKEN = frozenset({(2, 10)})
+UNFLATTEN_BY_NAME_BROKEN = frozenset({(2, 10), (2, 11)})
 
 
 @functools.cache
@@ -93,12 +93,27 @@ def require_flatten_of_flattened(what: str) -> None:
         )
 
 
+def slice_order_rule() -> str:
+    """How ``DeviceMesh.__getitem__`` checks the order of the sliced dims.
+
+    ``"collapsed"`` (torch >= 2.13): the sliced layout, collapsed (size-1 dims dropped), must be
+    sorted. ``"strides"`` (2.10-2.12): each dim's stride, size-1 dims included, must not grow,
+    and a flattened dim must be one contiguous mode (else NotImplementedError). ``"indices"``
+    (before 2.10): root dim indices must ascend.
+    """
+    if _before((2, 10)):
+        return "indices"
+    if _before((2, 13)):
+        return "strides"
+    return "collapsed"
+
+
 def require_unflatten_by_name(dim: object, names: tuple[str, ...]) -> None:
     """Raise what torch 2.10 raises for ``_unflatten`` of a dim given by name."""
     if isinstance(dim, str) and target() in UNFLATTEN_BY_NAME_BROKEN:
         raise LayoutError(
-            f"dim {dim} specified in `_unflatten` is not in {names} (torch 2.10 refuses "
-            f"every dim given by name; pass its index)",
+            f"dim {dim} specified in `_unflatten` is not in {names} (torch 2.10 and 2.11 "
+            f"refuse every dim given by name; pass its index)",
             upstream="ValueError",
         )
 

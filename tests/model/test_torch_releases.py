@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshsim import LayoutError, expect
+from meshsim import Layout, LayoutError, expect
 from meshsim.model import torch_release as _torch_release
 
 
@@ -28,12 +28,15 @@ def test_torchtitan_versions_that_unflatten_raise_on_2_9_and_legacy_does_not(mon
     assert tuple(legacy.groups("tp")[0]) == (0, 1)
 
 
-def test_2_10_refuses_a_dim_by_name_later_releases_take_it(monkeypatch):
+def test_2_10_and_2_11_refuse_a_dim_by_name_later_releases_take_it(monkeypatch):
     monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "2.10")
     with pytest.raises(LayoutError, match="specified in `_unflatten` is not in") as e:
         expect("torch", 8, ops=["unflatten world 2,4 -> dp,tp"])
     assert e.value.upstream == "ValueError"
-    for release in ("2.11", "newest"):
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "2.11")
+    with pytest.raises(LayoutError, match="specified in `_unflatten` is not in"):
+        expect("torch", 8, ops=["unflatten world 2,4 -> dp,tp"])
+    for release in ("2.12", "newest"):
         monkeypatch.setenv("MESHSIM_TORCH_RELEASE", release)
         expected = expect("torch", 8, ops=["unflatten world 2,4 -> dp,tp"])
         assert tuple(expected.groups("tp")[1]) == (4, 5, 6, 7)
@@ -50,3 +53,30 @@ def test_without_a_pin_the_installed_release_is_described(monkeypatch):
     torch = pytest.importorskip("torch")
     major, minor = (int(p) for p in torch.__version__.split(".")[:2])
     assert _torch_release.target() == (major, minor)
+
+
+@pytest.mark.parametrize(
+    ("release", "accepted"), [("2.9", False), ("2.10", False), ("2.12", False), ("2.13", True)]
+)
+def test_slicing_past_size_one_dims_out_of_order(monkeypatch, release, accepted):
+    # 2.13 compares collapsed layouts (size-1 dims vanish); 2.10-2.12 compare every dim's
+    # stride, and earlier releases the root dim indices.
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", release)
+    layout = Layout(pp=1, batch=1, cp=8, tp=1)
+    if accepted:
+        assert layout["tp", "cp", "batch", "pp"].world_size == 8
+    else:
+        with pytest.raises(LayoutError, match="ascending order") as e:
+            layout["tp", "cp", "batch", "pp"]
+        assert e.value.upstream == "KeyError"
+
+
+@pytest.mark.parametrize("release", ["2.10", "2.12"])
+def test_a_non_contiguous_flattened_dim_cannot_be_sliced_on_2_10_to_2_12(monkeypatch, release):
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", release)
+    root = Layout(a=2, b=2, c=2)["a", "c"].flatten(name="ac").root()
+    with pytest.raises(LayoutError, match="contiguous flattened dim") as e:
+        root["ac"]
+    assert e.value.upstream == "NotImplementedError"
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "2.13")
+    assert root["ac"].group_of(0, "ac") == (0, 1, 4, 5)

@@ -90,6 +90,11 @@ def root_kinds(
     kinds: dict[str, Kind] = {}
     for name in describe:
         if name in root.root_names or name in root.aliases:
+            try:
+                root[name]  # torch 2.10-2.12 refuse a non-contiguous flattened dim here
+            except LayoutError as error:
+                kinds[name] = Kind(name, describe[name], error)
+                continue
             kinds[name] = layout_kind(root, name, describe[name], name)
         else:
             kinds[name] = Kind(name, describe[name], _slice_error(root, name))
