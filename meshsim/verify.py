@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshsim import torch_private
 from meshsim.builders import BUILDERS
 from meshsim.builders import real as real_adapters
 from meshsim.checks import MeshDiff, Observation, ObservedLayout, diff
@@ -104,6 +105,9 @@ def build_on_rank(
     """Run on a rank: the builder's Observation (or its failure) and the seconds it took."""
     import torch.distributed as dist
 
+    # Cases of a batch run one after another on a rank: torch < 2.10 would hand this case the
+    # previous one's flattened meshes (its registries match meshes by value), so forget them.
+    torch_private.reset_mesh_resources()
     start = time.perf_counter()
     module = real_adapters.REAL_BUILDERS[framework] if real else BUILDERS[framework]
     try:

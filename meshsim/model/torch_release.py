@@ -118,6 +118,11 @@ def require_unflatten_by_name(dim: object, names: tuple[str, ...]) -> None:
         )
 
 
+def builds_unflatten() -> bool:
+    """The described release has ``DeviceMesh._unflatten``."""
+    return not _before(UNFLATTEN_SINCE)
+
+
 def require_unflatten(what: str) -> None:
     """Raise what the described torch raises for ``what`` when it has no ``_unflatten``."""
     release = target()

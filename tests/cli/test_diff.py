@@ -9,6 +9,7 @@ from meshsim.cli import config_flags as cf
 from meshsim.cli.compare import DIFFERENT, REORDERED, SAME, compare_groups, compare_roles
 from meshsim.model.groups import Groups
 from tests.cli.helpers import json_of, run_cli
+from tests.releases import needs_unflatten
 
 ORDER_EXAMPLE = (
     "diff",
@@ -92,6 +93,7 @@ def test_megatron_deepspeed_equals_megatron_tp_dp_pp() -> None:
     assert _row(result.stdout, "gradient_reduce")[1:4] == ["dp-cp", "seq_dp", "same"]
 
 
+@needs_unflatten
 def test_olmo_core_vs_torchtitan_hsdp_cp() -> None:
     data = json_of(
         run_cli(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from tests.cli.helpers import run_cli
+from tests.releases import needs_unflatten
 
 
+@needs_unflatten
 def test_show_prints_bracketed_kind_names_verbatim() -> None:
     """Kind names such as ``dense[tp]`` and ``get_mesh([dp_shard, tp])`` look like rich markup;
     the table must print them as they are, each with its description."""

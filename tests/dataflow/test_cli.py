@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tests.cli.helpers import assert_bad_input, json_of, run_cli
+from tests.releases import needs_unflatten
 
 
+@needs_unflatten
 def test_dataflow_flag_runs_the_recipe_after_the_group_check() -> None:
     result = run_cli(
         "verify", "torchtitan", "-n", "8", "--backend", "threaded",

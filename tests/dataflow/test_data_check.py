@@ -9,6 +9,7 @@ import torch
 
 import meshsim
 from meshsim import DataflowMismatch, UsageError, record_batches
+from tests.releases import needs_unflatten
 
 # OLMo-core dp 2 x cp 2 x tp 2: data groups (0, 4), (1, 5), ...; gradient groups (0, 2, 4, 6), ...
 EXP = meshsim.expect("olmo-core", 8, dp="fsdp", cp=2, tp=2)
@@ -112,6 +113,7 @@ def test_tensor_batches_are_fingerprinted_row_by_row() -> None:
         meshsim.assert_data_parallel(bad, EXP)
 
 
+@needs_unflatten
 def test_no_data_parallelism_means_every_rank_loads_the_same_batch() -> None:
     exp = meshsim.expect("torchtitan", 8, dp_shard=1, cp=2, tp=4)
     assert "data_parallel" not in exp.roles

@@ -12,6 +12,7 @@ import pytest
 
 from meshsim import UsageError, layouts
 from meshsim.dataflow.recipes import _hsdp, check_dataflow, unsupported
+from tests.releases import needs_unflatten
 
 _TT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
@@ -47,7 +48,11 @@ def _id(case: tuple[str, dict[str, Any]]) -> str:
     return case[0] + "-" + "-".join(f"{k}{v}" for k, v in case[1].items())
 
 
-@pytest.mark.parametrize("case", SAMPLE, ids=_id)
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[needs_unflatten] if c[0] == "torchtitan" else []) for c in SAMPLE],
+    ids=_id,
+)
 def test_sample_passes_on_threaded(case: tuple[str, dict[str, Any]]) -> None:
     framework, config = case
     assert unsupported(framework, config, "threaded") is None

@@ -15,6 +15,7 @@ import pytest
 
 from meshsim.errors import CollectiveDivergence
 from meshsim.harness import fake_groups, run
+from tests.releases import needs_mesh_layout, needs_unflatten
 
 
 def _state() -> dict[str, Any]:
@@ -104,7 +105,10 @@ def _run_both(body: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple
     return results[0], results[1]
 
 
-@pytest.mark.parametrize("name", sorted(BODIES))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[needs_unflatten] if n == "mesh_ops" else []) for n in sorted(BODIES)],
+)
 def test_fast_path_matches_torch_on_every_rank(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     slow, fast = _run_both(BODIES[name], monkeypatch)
     values_slow, values_fast = slow[0], fast[0]
@@ -114,6 +118,7 @@ def test_fast_path_matches_torch_on_every_rank(name: str, monkeypatch: pytest.Mo
     assert fast[2] == slow[2]
 
 
+@needs_mesh_layout
 def test_fast_path_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not vacuous: the plain mesh goes through the fast path (once per non-member span)."""
     spans: list[tuple[int, int]] = []

@@ -80,3 +80,15 @@ def test_a_non_contiguous_flattened_dim_cannot_be_sliced_on_2_10_to_2_12(monkeyp
     assert e.value.upstream == "NotImplementedError"
     monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "2.13")
     assert root["ac"].group_of(0, "ac") == (0, 1, 4, 5)
+
+
+def test_torchtitan_sweeps_only_what_the_release_builds(monkeypatch):
+    from meshsim import layouts
+
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "2.9")
+    old = layouts(8, "torchtitan")
+    assert {c.config["version"] for c in old} == {"legacy", "hyper_parallel"}
+    for case in old:  # every enumerated case is one the release builds
+        expect("torchtitan", 8, **case.config)
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "newest")
+    assert len(layouts(8, "torchtitan")) == 340

@@ -51,6 +51,31 @@ REQUIRES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
 )
 
 
+#: framework -> (pinned release, the torch releases it declares: first, first excluded). Only
+#: ai2-olmo-core pins torch (3.0.0: torch>=2.10,<2.14); torchtitan 0.3.0, megatron-core 0.16.1
+#: and deepspeed 0.19.8 install on every release meshsim supports, 2.15 included.
+TORCH_RANGES: Final[Mapping[str, tuple[str, tuple[int, int], tuple[int, int]]]] = MappingProxyType(
+    {"olmo-core": ("ai2-olmo-core 3.0.0", (2, 10), (2, 14))}
+)
+
+
+def torch_mismatch(framework: str) -> str | None:
+    """Why the pinned framework cannot be installed next to the installed torch, or None."""
+    from meshsim.model import torch_release
+
+    found = torch_release.installed()
+    if framework not in TORCH_RANGES or found is None:
+        return None
+    pinned, first, stop = TORCH_RANGES[framework]
+    if first <= found < stop:
+        return None
+    return (
+        f"{pinned} requires torch>={first[0]}.{first[1]},<{stop[0]}.{stop[1]} and this is torch "
+        f"{found[0]}.{found[1]}, so pip cannot install it here; run --real under a torch in "
+        f"that range, or drop --real (real=False) to verify meshsim's builder of its recipe"
+    )
+
+
 def unavailable(framework: str) -> str | None:
     """Why ``verify(real=True)`` cannot run ``framework`` here (None when it can).
 
@@ -71,6 +96,11 @@ def unavailable(framework: str) -> str | None:
             f"({module}), which this install lacks; {install_hint(framework)}"
         )
     missing = [p for p in REQUIRES.get(framework, ()) if importlib.util.find_spec(p) is None]
+    mismatch = torch_mismatch(framework)
+    if missing and mismatch:
+        return f"--real (real=True) runs {framework} itself, and {missing} is not installed: " + (
+            mismatch
+        )
     if missing:
         return f"--real (real=True) runs {framework} itself, and {missing} is not installed; " + (
             install_hint(framework)

@@ -59,6 +59,8 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "ulysses_degree": "hyper_parallel only: Ulysses sub-degree of cp",
 }
 VERSIONS: Final = ("current", "intermediate", "legacy", "hyper_parallel")
+#: Versions whose ``build_mesh`` unflattens one world mesh into its views (torch >= 2.10).
+_UNFLATTENING: Final = ("current", "intermediate")
 #: The ``spmd_backend`` values of each multi-view version, its default first. torchtitan 0.3.0's
 #: ``ParallelismConfig`` accepts exactly the current three (ValueError otherwise); the conventions
 #: snapshot (b5bcd76c) lists only spmd_types and partial_dtensor, 0.3.0 also keeps full_dtensor.
@@ -371,8 +373,14 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     version has them (each version's default otherwise, to keep sweeps small). hyper_parallel
     rejects pp > 1 and makes ep a factor of the world, so it factorizes (dp_replicate, dp_shard,
     ep, cp, tp). World 8 gives 340 configs.
+
+    Only what the described torch release builds: before 2.10 (no ``_unflatten``) the default
+    versions are legacy and hyper_parallel, and hyper_parallel without cp (its ``loss`` flattens
+    the flattened ``dp`` again, which those releases refuse) is left out.
     """
-    versions = tuple(options.get("versions", VERSIONS))
+    old = not _torch_release.builds_unflatten()
+    default = tuple(v for v in VERSIONS if not (old and v in _UNFLATTENING))
+    versions = tuple(options.get("versions", default))
     unknown = set(versions) - set(VERSIONS)
     if unknown:
         raise LayoutError(f"unknown torchtitan versions {sorted(unknown)}; versions are {VERSIONS}")
@@ -382,6 +390,8 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
         backends = [b for b in allowed if b in wanted] or [allowed[0]]
         if version == "hyper_parallel":
             for dpr, dps, ep, cp, tp in ordered_factorizations(world_size, 5):
+                if old and cp == 1 and dpr * dps > 1:
+                    continue
                 for etp in (1, tp) if ep > 1 and tp > 1 else (1,):
                     degrees = dict(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=1, ep=ep)
                     yield {"version": version, **degrees, "etp": etp}
