@@ -100,6 +100,23 @@ class TorchTooOld(MeshsimError):
     upstream = "AttributeError"
 
 
+#: The oldest torch release meshsim runs on (pyproject.toml's floor). torch 2.6's ``fully_shard``
+#: cannot run on CPU ("'Stream' object has no attribute 'record_event'"), so the data-flow
+#: check cannot run there, and its DeviceMesh cannot slice a slice nor refuse a flatten into a
+#: root dim's name; the README's "Torch releases" section has the measurements.
+SUPPORTED_SINCE = (2, 9)
+
+
+def require_supported() -> None:
+    """Raise one line naming the torch found and the one needed, below :data:`SUPPORTED_SINCE`."""
+    found = torch_version()
+    if found < SUPPORTED_SINCE:
+        raise TorchTooOld(
+            f"meshsim needs torch >= {SUPPORTED_SINCE[0]}.{SUPPORTED_SINCE[1]}, found torch "
+            f"{found[0]}.{found[1]}; install a newer torch (meshsim is tested on 2.9.1 to 2.15.0)"
+        )
+
+
 def torch_version() -> tuple[int, int]:
     """``(major, minor)`` of the running torch."""
     import torch
@@ -306,15 +323,14 @@ def unflatten(
 
     On a release without ``_unflatten`` (torch < 2.10) this raises :class:`TorchTooOld`, as a
     program calling it there fails; ``emulate=True`` (meshsim's own builders, whose frameworks
-    do not call ``_unflatten``) builds the same groups with the constructor every release has,
-    and passes ``dim`` by index (torch 2.10 raises ValueError for any dim given by name).
+    do not call ``_unflatten``) builds the groups torch 2.13+ would, on every release.
     """
     if not emulate:
         require("DeviceMesh._unflatten")
         return mesh._unflatten(dim, sizes, names)
     if isinstance(dim, str):  # torch 2.10 refuses every dim given by name (its check is inverted)
         dim = tuple(mesh.mesh_dim_names or ()).index(dim)
-    if has_unflatten():
+    if torch_version() >= (2, 13):
         return mesh._unflatten(dim, sizes, names)
     return _unflatten_by_construction(mesh, dim, tuple(sizes), tuple(names))
 
@@ -329,12 +345,13 @@ _REST = "meshsim_rest"
 def _unflatten_by_construction(
     mesh: Any, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]
 ) -> Any:
-    """``_unflatten`` for torch < 2.10, from a new root over the whole world.
+    """``_unflatten`` built from a new root over the whole world (torch < 2.13).
 
-    Every rank lays out all of the world's copies of ``mesh`` (its root's ranks, permuted so
-    ``mesh``'s dims come last) as one tensor with ``dim`` split into ``sizes``, builds a
-    ``DeviceMesh`` over it (collective: the same groups in the same order on every rank) and
-    slices its own copy out. The groups are the ones ``_unflatten`` makes on later releases.
+    torch < 2.10 has no ``_unflatten``; 2.10-2.12 unflatten a non-contiguous flattened dim into
+    dims they then refuse to slice ("only allows slicing out a contiguous flattened dim"). Every
+    rank lays out all of the world's copies of ``mesh`` as one tensor with ``dim`` split into
+    ``sizes``, builds a ``DeviceMesh`` over it (collective: the same groups in the same order on
+    every rank) and slices its own copy out: the groups ``_unflatten`` makes on 2.13+.
     """
     import math
 
@@ -348,29 +365,31 @@ def _unflatten_by_construction(
             f"cannot unflatten dim {dim!r} of size {mesh.mesh.shape[index]} into "
             f"{dict(zip(names, sizes))}"
         )
-    root = root_mesh(mesh)
-    spans = [_root_dims(root, name) for name in own]
-    taken = [d for span in spans for d in span]
-    rest = [d for d in range(root.mesh.ndim) if d not in taken]
-    copies = root.mesh.permute(*rest, *taken).reshape(-1, *mesh.mesh.shape)
+    copies = _copies(mesh).reshape(-1, *mesh.mesh.shape)
     me = dist.get_rank()
     if not any(bool((copy == me).any()) and copy.equal(mesh.mesh) for copy in copies):
         raise TorchTooOld(
-            f"torch has no DeviceMesh._unflatten and meshsim cannot rebuild {mesh} from its "
-            f"root's dims; torch >= 2.10 unflattens any view"
+            f"meshsim cannot rebuild {mesh} from its root on this torch; torch >= 2.13 "
+            f"unflattens any view"
         )
     shape = (*mesh.mesh.shape[:index], *sizes, *mesh.mesh.shape[index + 1 :])
     new_names = (*own[:index], *names, *own[index + 1 :])
-    copies = copies.reshape(-1, *shape)
-    world = DeviceMesh(root.device_type, copies, mesh_dim_names=(_REST, *new_names))
-    if torch_version() >= (2, 9):
-        return world[new_names]
-    # torch < 2.9 cannot slice a slice: give this rank's copy a root of its own, holding the
-    # groups just made (DeviceMesh._dim_group_infos: tag, ranks, name per dim).
-    (mine,) = (copy for copy in copies if bool((copy == me).any()))
-    view = DeviceMesh(root.device_type, mine, mesh_dim_names=new_names, _init_backend=False)
-    view._dim_group_infos = world._dim_group_infos[1:]
-    return view
+    world = DeviceMesh(
+        mesh.device_type, copies.reshape(-1, *shape), mesh_dim_names=(_REST, *new_names)
+    )
+    return world[new_names]
+
+
+def _copies(mesh: Any) -> Any:
+    """Every copy of ``mesh`` across the world (one per rank group), as one rank tensor."""
+    layout = getattr(mesh, "_layout", None)
+    if layout is not None:  # torch >= 2.10: the view's CuTe layout over its root's ranks
+        return layout.remap_to_tensor(mesh._rank_map)
+    root = root_mesh(mesh)  # torch < 2.10: the root's dims, permuted so the view's come last
+    spans = [_root_dims(root, name) for name in tuple(mesh.mesh_dim_names or ())]
+    taken = [d for span in spans for d in span]
+    rest = [d for d in range(root.mesh.ndim) if d not in taken]
+    return root.mesh.permute(*rest, *taken)
 
 
 def _root_dims(root: Any, name: str) -> tuple[int, ...]:

@@ -149,3 +149,19 @@ def test_unflatten_for_a_framework_that_never_calls_it_works_on_every_release():
             "x": [rank % 2 + 2 * i for i in range(4)],
             "y": [rank // 2 * 2, rank // 2 * 2 + 1],
         }, f"rank {rank}"
+
+
+def test_below_the_floor_every_run_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch_private, "torch_version", lambda: (2, 6))
+    with pytest.raises(torch_private.TorchTooOld) as e:
+        meshsim.run(_views, world_size=4, backend="threaded", timeout=120)
+    assert str(e.value) == (
+        "meshsim needs torch >= 2.9, found torch 2.6; install a newer torch "
+        "(meshsim is tested on 2.9.1 to 2.15.0)"
+    )
+
+
+def test_the_floor_matches_pyproject():
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    floor = ".".join(map(str, torch_private.SUPPORTED_SINCE))
+    assert f'"torch>={floor}",' in text

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any, TypeVar
 
+from meshsim import torch_private
 from meshsim.errors import UsageError
 from meshsim.harness.backend import Backend, Job
 from meshsim.harness.outcome import RunResult
@@ -149,6 +150,7 @@ def run(
         raise UsageError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise UsageError(f"args must be a sequence (tuple/list), got {type(args).__name__}")
+    torch_private.require_supported()
     job = Job(fn, world_size, backend, timeout, picked, tuple(args), dict(kwargs or {}))
     if backend in ("gloo", "nccl"):
         from meshsim.harness import torchrun

@@ -111,7 +111,9 @@ def test_verify_case_and_sampled_ranks() -> None:
 
 def test_real_framework_hook_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     from meshsim.builders import real
+    from meshsim.model import torch_release
 
+    monkeypatch.setattr(torch_release, "installed", lambda: (2, 13))  # in OLMo-core's range
     adapters = {**real.REAL_BUILDERS, "megatron": "meshsim.builders.real.no_such_adapter"}
     monkeypatch.setattr(real, "REAL_BUILDERS", adapters)
     with pytest.raises(
@@ -125,6 +127,24 @@ def test_real_framework_hook_says_which_extra_to_install(monkeypatch: pytest.Mon
         verify("torch", 4, "fake", real=True)
     with pytest.raises(UsageError, match="no adapter that runs the real megatron-deepspeed"):
         verify("megatron-deepspeed", 8, "fake", real=True)
+
+
+@pytest.mark.parametrize(
+    ("release", "refused"), [((2, 15), True), ((2, 9), True), ((2, 13), False)]
+)
+def test_real_olmo_core_outside_its_torch_range_says_why(
+    monkeypatch: pytest.MonkeyPatch, release: tuple[int, int], refused: bool
+) -> None:
+    """ai2-olmo-core 3.0.0 declares torch>=2.10,<2.14: under torch 2.15 pip cannot install it,
+    and the usage error says so instead of suggesting an install that fails."""
+    from meshsim.builders import real
+    from meshsim.model import torch_release
+
+    monkeypatch.setattr(torch_release, "installed", lambda: release)
+    monkeypatch.setattr(real, "REQUIRES", {**real.REQUIRES, "olmo-core": ("no_such_olmo",)})
+    expected = r"torch>=2\.10,<2\.14 and this is torch" if refused else r"pip install 'meshsim"
+    with pytest.raises(UsageError, match=expected):
+        verify("olmo-core", 4, "fake", real=True, dp="fsdp")
 
 
 def test_unknown_framework_is_a_usage_error() -> None:

@@ -80,6 +80,7 @@ def test_ddp_over_a_tp_model_is_skipped_with_the_reason() -> None:
     assert unsupported("torchtitan", {**ddp_tp, "cp": 2, "tp": 2}, "gloo") is None  # FSDP2
 
 
+@needs_unflatten
 def test_the_sweep_covers_both_conventions_and_hsdp() -> None:
     assert {f for f, _ in ALL} == {"olmo-core", "torchtitan"}
     assert any(_hsdp(f, c) for f, c in ALL)
