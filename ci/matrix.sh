@@ -47,7 +47,12 @@ for v in "${versions[@]}"; do
     [ -x "$py" ] || python3 -m venv "$venv"
     have=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
     if [ "$have" != "$v" ]; then
-        "$py" -m pip install --quiet --disable-pip-version-check "torch==$v" >"$log-install.log" 2>&1 \
+        # The CPU build where PyTorch's CPU index is reachable; else the configured indexes' build
+        # (the CUDA one for most releases: 2-5 GB, runs on the CPU).
+        "$py" -m pip install --quiet --disable-pip-version-check --retries 0 --timeout 20 \
+            --index-url https://download.pytorch.org/whl/cpu "torch==$v" >"$log-install.log" 2>&1 \
+            || "$py" -m pip install --quiet --disable-pip-version-check "torch==$v" \
+                >>"$log-install.log" 2>&1 \
             || { rows+=("| $v | install failed (see $log-install.log) | - | - |"); failed=1; continue; }
     fi
     "$py" -m pip install --quiet --disable-pip-version-check -c <(echo "torch==$v") -e ".[test]" \

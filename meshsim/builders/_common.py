@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshsim import torch_private
-from meshsim.checks import GroupView, Observation, observe_groups
+from meshsim.checks import GroupView, Observation
+from meshsim.checks.snapshot import disagreements, held_groups, observe_held
 
 # OLMo-core and legacy torchtitan slice flattened names from the root mesh, which torch 2.11+
 # warns "will be deprecated"; the builders replay that on purpose, once per getter per rank.
@@ -117,35 +118,45 @@ def collect(entries: Mapping[str, Entry]) -> Observation:
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = str(dist.get_backend())
     prove = backend != "fake"
-    views: dict[str, GroupView] = {}
     absent: list[str] = []
+    meshes: dict[str, DeviceMesh] = {}
     groups: dict[str, ProcessGroup | None] = {}
     for name, entry in entries.items():
         if entry is None or isinstance(entry, BaseException):
             absent.append(name)
         elif isinstance(entry, DeviceMesh) and entry.ndim != 1:
-            views[name] = _mesh_view(name, entry, rank, prove)
+            meshes[name] = entry
         elif isinstance(entry, DeviceMesh):
             groups[name] = entry.get_group()
         else:
             groups[name] = entry
-    # observe_groups proves each group with a collective; every rank walks the names in the
-    # same order, so those collectives cannot deadlock.
-    observed = observe_groups(groups, prove=prove)
+    # Every rank's claims first (one collective over the world): a group its members disagree
+    # on is reported, not proven, since a collective over it would never complete.
+    held = held_groups(groups)
+    claims = {n: tuple(int(r) for r in m.mesh.flatten().tolist()) for n, m in meshes.items()}
+    claims |= {n: tuple(dist.get_process_group_ranks(g)) for n, g in held.items()}
+    disagree = disagreements(claims) if prove else {}
+    views = {n: _mesh_view(n, m, rank, prove, disagree.get(n)) for n, m in meshes.items()}
+    # Each agreed group is proven with a collective; every rank walks the names in the same
+    # order, so those collectives cannot deadlock.
+    observed = observe_held(groups, held, prove, disagree)
     views.update(observed.groups)
     ordered = {name: views[name] for name in entries if name in views}  # the builder's order
     return Observation(rank, world, backend, ordered, absent=(*absent, *observed.absent))
 
 
-def _mesh_view(name: str, sub: DeviceMesh, rank: int, prove: bool) -> GroupView:
+def _mesh_view(
+    name: str, sub: DeviceMesh, rank: int, prove: bool, disagreement: str | None
+) -> GroupView:
     members = tuple(int(r) for r in sub.mesh.flatten().tolist())
-    gathered = _gather_along_dims(sub) if prove else None
+    gathered = _gather_along_dims(sub) if prove and disagreement is None else None
     return GroupView(
         name=name,
         members=members,
         local_rank=members.index(rank) if rank in members else -1,
         mesh=sub.mesh.tolist(),
         gathered=gathered,
+        disagreement=disagreement,
     )
 
 

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim.builders._common import Entry
 from meshsim.checks import GroupView, Observation
+from meshsim.checks.snapshot import disagreements
 
 SINGLETONS = "include_singleton_axes=True"
 AXES = (
@@ -111,19 +112,21 @@ def observe(named: dict[str, Entry]) -> Observation:
     backend = str(dist.get_backend())
     proofs: dict[str, tuple[int, ...]] = {}
     views: dict[str, GroupView] = {}
-    absent: list[str] = []
-    for name, entry in named.items():
-        if not isinstance(entry, DeviceMesh):
-            absent.append(name)
-            continue
-        members = tuple(int(r) for r in entry.mesh.flatten().tolist())
-        gathered = _proof(entry, rank, members, proofs) if backend != "fake" else None
+    meshes = {n: e for n, e in named.items() if isinstance(e, DeviceMesh)}
+    absent = [n for n in named if n not in meshes]
+    claims = {n: tuple(int(r) for r in m.mesh.flatten().tolist()) for n, m in meshes.items()}
+    disagree = disagreements(claims)  # one world collective first: inconsistent views never hang
+    for name, entry in meshes.items():
+        members = claims[name]
+        agreed = name not in disagree
+        gathered = _proof(entry, rank, members, proofs) if backend != "fake" and agreed else None
         views[name] = GroupView(
             name=name,
             members=members,
             local_rank=members.index(rank) if rank in members else -1,
             mesh=entry.mesh.tolist(),
             gathered=gathered,
+            disagreement=disagree.get(name),
         )
     return Observation(rank, world, backend, views, absent=tuple(absent))
 

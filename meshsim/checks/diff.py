@@ -188,6 +188,9 @@ def diff(
                 else:
                     note(name, "missing", obs.rank, want, None)
                 continue
+            if view.disagreement is not None:  # said first: the group itself is inconsistent
+                note(name, "disagreement", obs.rank, want, view.members, view.disagreement)
+                continue
             if view.members != want:
                 note(name, "members", obs.rank, want, view.members)
                 continue

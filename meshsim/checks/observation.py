@@ -25,6 +25,9 @@ class GroupView:
     mesh: Nested | None = None
     description: str | None = None
     gathered: tuple[int, ...] | None = None
+    #: Set when this group's members do not all claim the same group ("ranks 0 and 2 disagree
+    #: on tp: ..."); such a group is not proven by a collective, which would never complete.
+    disagreement: str | None = None
 
     @property
     def proven(self) -> bool | None:

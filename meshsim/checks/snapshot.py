@@ -45,8 +45,66 @@ def _prove(dist: Any, group: ProcessGroup, size: int) -> tuple[int, ...]:
     return tuple(int(t.item()) for t in out)
 
 
-def _view(dist: Any, name: str, group: ProcessGroup, mesh: Any, prove: bool) -> GroupView:
+def disagreements(claims: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """Group name -> why its members disagree, from every rank's claimed members of each group.
+
+    One ``all_gather_object`` over the world, which every rank makes whatever groups it holds,
+    so it completes even when the groups are wrong. A collective over a group whose members do
+    not agree on it never completes (rank 0 waits in (0, 2), rank 2 in (2, 4)): such groups are
+    reported instead of proven. Empty without communication (the fake backend).
+    """
+    dist = _dist()
+    if not _can_communicate(dist):
+        return {}
+    world = int(dist.get_world_size())
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, {name: tuple(m) for name, m in claims.items()})
+    found: dict[str, str] = {}
+    for name in claims:
+        for rank, theirs in enumerate(everyone):
+            members = theirs.get(name)
+            if members is None:
+                continue
+            problem = _first_disagreement(name, rank, members, everyone, world)
+            if problem is not None:
+                found[name] = problem
+                break
+    return found
+
+
+def _first_disagreement(
+    name: str, rank: int, members: tuple[int, ...], everyone: list[Any], world: int
+) -> str | None:
+    for peer in members:
+        if not 0 <= peer < world:
+            return (
+                f"rank {rank} says {name} is {_fmt(members)}, naming rank {peer} outside a "
+                f"world of {world}"
+            )
+        said = everyone[peer].get(name)
+        if said != members:
+            theirs = _fmt(said) if said is not None else "it holds no such group"
+            return (
+                f"ranks {rank} and {peer} disagree on {name}: rank {rank} says {_fmt(members)}, "
+                f"rank {peer} says {theirs}"
+            )
+    return None
+
+
+def _fmt(members: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, members)) + ")"
+
+
+def _view(
+    dist: Any,
+    name: str,
+    group: ProcessGroup,
+    mesh: Any,
+    prove: bool,
+    disagreement: str | None = None,
+) -> GroupView:
     members = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    prove = prove and disagreement is None
     gathered = _prove(dist, group, len(members)) if prove else None
     return GroupView(
         name=name,
@@ -55,6 +113,7 @@ def _view(dist: Any, name: str, group: ProcessGroup, mesh: Any, prove: bool) -> 
         mesh=None if mesh is None else mesh.tolist(),
         description=getattr(group, "group_desc", None),
         gathered=gathered,
+        disagreement=disagreement,
     )
 
 
@@ -72,15 +131,17 @@ def observe(mesh: DeviceMesh, *, prove: bool = True, include_flattened: bool = T
             "init_device_mesh(..., mesh_dim_names=(...)) so groups can be matched by name"
         )
     prove = prove and _can_communicate(dist)
-    groups: dict[str, GroupView] = {}
-    for dim in names:
-        groups[dim] = _view(dist, dim, mesh.get_group(dim), mesh[dim].mesh, prove)
+    found: dict[str, tuple[Any, Any]] = {
+        dim: (mesh.get_group(dim), mesh[dim].mesh) for dim in names
+    }
     if include_flattened:
         for flat_name, flat_mesh in torch_private.flatten_mapping(mesh).items():
-            if flat_name not in groups:
-                groups[flat_name] = _view(
-                    dist, flat_name, flat_mesh.get_group(), flat_mesh.mesh, prove
-                )
+            found.setdefault(flat_name, (flat_mesh.get_group(), flat_mesh.mesh))
+    claims = {n: tuple(dist.get_process_group_ranks(g)) for n, (g, _) in found.items()}
+    disagree = disagreements(claims) if prove else {}
+    groups = {
+        n: _view(dist, n, group, sub, prove, disagree.get(n)) for n, (group, sub) in found.items()
+    }
     coordinate = mesh.get_coordinate()
     return Observation(
         rank=int(dist.get_rank()),
@@ -100,16 +161,27 @@ def observe_groups(groups: Mapping[str, ProcessGroup | None], *, prove: bool = T
     """
     dist = _dist()
     prove = prove and _can_communicate(dist)
-    views: dict[str, GroupView] = {}
-    absent: list[str] = []
-    for name, group in groups.items():
-        if group is None:
-            absent.append(name)
-            continue
-        if dist.get_rank(group) < 0:  # a handle to a group this rank is not in
-            absent.append(name)
-            continue
-        views[name] = _view(dist, name, group, None, prove)
+    held = held_groups(groups)
+    claims = {name: tuple(dist.get_process_group_ranks(g)) for name, g in held.items()}
+    return observe_held(groups, held, prove, disagreements(claims) if prove else {})
+
+
+def held_groups(groups: Mapping[str, ProcessGroup | None]) -> dict[str, ProcessGroup]:
+    """The groups this rank is in (None, or a handle to a group it is not in, are absent)."""
+    dist = _dist()
+    return {n: g for n, g in groups.items() if g is not None and dist.get_rank(g) >= 0}
+
+
+def observe_held(
+    groups: Mapping[str, ProcessGroup | None],
+    held: Mapping[str, ProcessGroup],
+    prove: bool,
+    disagree: Mapping[str, str],
+) -> Observation:
+    """The Observation of ``groups``, proving each held group its members agree on."""
+    dist = _dist()
+    views = {n: _view(dist, n, g, None, prove, disagree.get(n)) for n, g in held.items()}
+    absent = [name for name in groups if name not in held]
     return Observation(
         rank=int(dist.get_rank()),
         world_size=int(dist.get_world_size()),
