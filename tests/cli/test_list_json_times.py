@@ -34,7 +34,7 @@ def test_list_text_for_one_convention() -> None:
 def test_json_envelope_is_shared_by_every_verb() -> None:
     runs = {
         "show": run_cli("show", "megatron", "-n", "4", "--tp", "2", "--json"),
-        "diff": run_cli("diff", "megatron", "torchtitan", "-n", "4", "--tp", "2", "--json"),
+        "diff": run_cli("diff", "megatron", "megatron-deepspeed", "-n", "4", "--tp", "2", "--json"),
         "verify": run_cli("verify", "torch", "-n", "2", "--backend", "fake", "--json"),
         "list": run_cli("list", "torch", "--json"),
         "sweep": run_cli("sweep", "-n", "2", "--framework", "torch", "--limit", "1", "--json"),
