@@ -62,6 +62,7 @@ SURFACE: tuple[Private, ...] = (
     Private(C10D, "_world", "the world the in-process tiers swap; group bookkeeping"),
     Private(C10D, "_World.pg_config_info", "kept on the private world class"),
     Private(C10D, "_get_default_group", "the world group of the running rank"),
+    Private(C10D, "_get_default_store", "ranks' claimed groups, compared before proving"),
     Private(C10D, "_resolve_process_group", "group names in recorded calls"),
     Private(C10D, "_new_group_with_tag", "the fake fast path: a body that patched new_group"),
     Private(C10D, "_is_barrier_after_init", "the fake fast path: TORCH_DIST_INIT_BARRIER"),
@@ -180,6 +181,10 @@ def world_class() -> type:
 
 def default_group() -> Any:
     return c10d()._get_default_group()
+
+
+def default_store() -> Any:
+    return c10d()._get_default_store()
 
 
 def resolve_group(group: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -46,34 +48,59 @@ def _prove(dist: Any, group: ProcessGroup, size: int) -> tuple[int, ...]:
 
 
 def disagreements(claims: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
-    """Group name -> why its members disagree, from every rank's claimed members of each group.
+    """Group name -> why its members disagree about it, from the members' own claims.
 
-    One ``all_gather_object`` over the world, which every rank makes whatever groups it holds,
-    so it completes even when the groups are wrong. A collective over a group whose members do
-    not agree on it never completes (rank 0 waits in (0, 2), rank 2 in (2, 4)): such groups are
-    reported instead of proven. Empty without communication (the fake backend).
+    Each rank publishes the members it claims for every group in the world's store, then reads
+    the claims of the members of its own groups: store reads, not collectives, so ranks outside
+    every group (a mesh smaller than the world) need not take part, and nothing waits on a group
+    whose members disagree. A collective over such a group never completes (rank 0 waits in
+    (0, 2), rank 2 in (2, 3)): it is reported instead of proven. Empty on the fake backend.
     """
     dist = _dist()
     if not _can_communicate(dist):
         return {}
-    world = int(dist.get_world_size())
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, {name: tuple(m) for name, m in claims.items()})
+    store = torch_private.default_store()
+    rank, world = int(dist.get_rank()), int(dist.get_world_size())
+    prefix = f"meshsim/claims/{_next_observation()}"
+    mine = {name: list(members) for name, members in claims.items()}
+    store.set(f"{prefix}/{rank}", json.dumps(mine))
+    everyone: dict[int, dict[str, tuple[int, ...]]] = {rank: dict(claims)}
     found: dict[str, str] = {}
-    for name in claims:
-        for rank, theirs in enumerate(everyone):
-            members = theirs.get(name)
-            if members is None:
-                continue
-            problem = _first_disagreement(name, rank, members, everyone, world)
-            if problem is not None:
-                found[name] = problem
-                break
+    for name, members in claims.items():
+        for peer in members:
+            if 0 <= peer < world and peer not in everyone:
+                said = json.loads(store.get(f"{prefix}/{peer}"))
+                everyone[peer] = {n: tuple(m) for n, m in said.items()}
+        problem = _first_disagreement(name, rank, tuple(members), everyone, world)
+        if problem is not None:
+            found[name] = problem
     return found
 
 
+_outside_harness = threading.local()
+
+
+def _next_observation() -> int:
+    """This rank's count of group checks in this run: equal on ranks that check in step.
+
+    Counted on the rank's recorder sink, which the harness makes afresh for every job (a warm
+    gloo worker keeps its world between jobs, so a process-wide count would drift between
+    ranks that checked different numbers of times before); a thread-local count outside it.
+    """
+    from meshsim.harness import recorder
+
+    holder = recorder._current_sink() or _outside_harness
+    count = getattr(holder, "meshsim_group_checks", 0) + 1
+    holder.meshsim_group_checks = count  # type: ignore[union-attr]
+    return count
+
+
 def _first_disagreement(
-    name: str, rank: int, members: tuple[int, ...], everyone: list[Any], world: int
+    name: str,
+    rank: int,
+    members: tuple[int, ...],
+    everyone: Mapping[int, Mapping[str, tuple[int, ...]]],
+    world: int,
 ) -> str | None:
     for peer in members:
         if not 0 <= peer < world:
