@@ -337,18 +337,14 @@ def unflatten(
         dim = tuple(mesh.mesh_dim_names or ()).index(dim)
     if torch_version() >= (2, 13):
         return mesh._unflatten(dim, sizes, names)
-    return _unflatten_by_construction(mesh, dim, tuple(sizes), tuple(names))
-
-
-def has_unflatten() -> bool:
-    return hasattr(importlib.import_module(DEVICE_MESH).DeviceMesh, "_unflatten")
+    return _unflatten_by_construction(mesh, int(dim), tuple(sizes), tuple(names))
 
 
 _REST = "meshsim_rest"
 
 
 def _unflatten_by_construction(
-    mesh: Any, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]
+    mesh: Any, index: int, sizes: tuple[int, ...], names: tuple[str, ...]
 ) -> Any:
     """``_unflatten`` built from a new root over the whole world (torch < 2.13).
 
@@ -364,10 +360,9 @@ def _unflatten_by_construction(
     from torch.distributed.device_mesh import DeviceMesh
 
     own = tuple(mesh.mesh_dim_names or ())
-    index = own.index(dim) if isinstance(dim, str) else int(dim)
     if math.prod(sizes) != mesh.mesh.shape[index] or len(sizes) != len(names):
         raise ValueError(
-            f"cannot unflatten dim {dim!r} of size {mesh.mesh.shape[index]} into "
+            f"cannot unflatten dim {index} of size {mesh.mesh.shape[index]} into "
             f"{dict(zip(names, sizes))}"
         )
     copies = _copies(mesh).reshape(-1, *mesh.mesh.shape)
@@ -492,7 +487,12 @@ def reset_dtensor_rng() -> None:
 
 
 def forget_dtensor_plans() -> None:
-    """Drop DTensor's cached sharding and redistribute plans (see ``isolation``)."""
+    """Drop DTensor's cached sharding and redistribute plans.
+
+    They are keyed by specs whose meshes compare equal across runs, so a plan cached by the
+    previous job of a warm worker (or the previous fake rank) names process groups that job
+    destroyed: "Could not resolve the process group registered under the name 10".
+    """
     from torch.distributed.tensor import _redistribute
     from torch.distributed.tensor._api import DTensor
 

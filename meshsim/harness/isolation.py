@@ -24,12 +24,6 @@ _in_process_lock = threading.Lock()
 _active = threading.local()
 
 
-def threaded_pg_module():  # type: ignore[no-untyped-def]
-    """torch's threaded test backend, imported lazily: on some releases it pulls in
-    ``expecttest`` (a test-only dependency) and costs seconds to import."""
-    return torch_private.threaded_pg()
-
-
 def _private_world_class() -> type:
     """A ``c10d._World`` whose state lives on the instance, not in c10d's module globals.
 
@@ -83,7 +77,7 @@ def isolated_world(timeout: float, *, what: str, per_thread: bool = True) -> Ite
             "in-process runs take turns (the swap of torch's world is process-global)"
         )
     if per_thread:
-        mtpg = threaded_pg_module()
+        mtpg = torch_private.threaded_pg()
 
         class _IsolatedWorld(mtpg.ThreadLocalWorld):  # type: ignore[misc,name-defined]
             pg_config_info = torch_private.world_class().pg_config_info  # type: ignore[attr-defined]
@@ -127,17 +121,7 @@ def reset_rank_state(*, keep_default: bool = False) -> None:
     torch_private.reset_mesh_resources()
     torch_private.reset_dtensor_rng()
     if torch_private.dtensor_loaded():
-        forget_dtensor_plans()
-
-
-def forget_dtensor_plans() -> None:
-    """Drop DTensor's cached sharding and redistribute plans.
-
-    They are keyed by specs whose meshes compare equal across runs, so a plan cached by the
-    previous job of a warm worker (or the previous fake rank) names process groups that job
-    destroyed: "Could not resolve the process group registered under the name 10".
-    """
-    torch_private.forget_dtensor_plans()
+        torch_private.forget_dtensor_plans()
 
 
 def leftovers(kept: Any = None) -> list[str]:

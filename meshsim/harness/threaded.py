@@ -33,7 +33,7 @@ from meshsim.errors import MeshsimError
 from meshsim.harness import mailbox, recorder
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
-from meshsim.harness.isolation import isolated_world, threaded_pg_module
+from meshsim.harness.isolation import isolated_world
 from meshsim.harness.live import (
     DivergenceWatch,
     LiveSink,
@@ -237,7 +237,7 @@ class ThreadedBackend:
         import torch.distributed as dist
 
         _wait_for_survivors(job.timeout)
-        plg = threaded_pg_module().ProcessLocalGroup
+        plg = torch_private.threaded_pg().ProcessLocalGroup
         mailbox.install(plg)  # point-to-point, which torch's threaded backend lacks
         torch_private.settle_cuda_device_guard()  # before rank threads race to (torch 2.10)
         recorder.install()
