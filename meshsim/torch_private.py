@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -323,15 +324,20 @@ def unflatten(
     names: tuple[str, ...],
     *,
     emulate: bool = False,
+    backend_override: Mapping[str, str] | None = None,
 ) -> Any:
     """``mesh._unflatten(dim, sizes, names)``: ``dim`` split row-major into ``names``.
 
     On a release without ``_unflatten`` (torch < 2.10) this raises :class:`TorchTooOld`, as a
     program calling it there fails; ``emulate=True`` (meshsim's own builders, whose frameworks
     do not call ``_unflatten``) builds the groups torch 2.13+ would, on every release.
+    ``backend_override`` (name -> backend, as torchtitan passes ``"fake"`` for its size-1 axes)
+    is not emulated.
     """
     if not emulate:
         require("DeviceMesh._unflatten")
+        if backend_override:
+            return mesh._unflatten(dim, sizes, names, backend_override=dict(backend_override))
         return mesh._unflatten(dim, sizes, names)
     if isinstance(dim, str):  # torch 2.10 refuses every dim given by name (its check is inverted)
         dim = tuple(mesh.mesh_dim_names or ()).index(dim)

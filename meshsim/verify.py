@@ -60,6 +60,20 @@ class VerifyResult:
     #: Every rank's observation (None when no rank built its groups): what ``--cross-check``
     #: compares between tiers, group by group.
     observations: tuple[Observation, ...] | None = field(default=None, repr=False, compare=False)
+    #: Kinds of the reference that were not compared, each with why (the builder or the
+    #: framework's code does not hand that group out); empty when every kind was checked.
+    skipped: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def tier_limits(self) -> tuple[str, ...]:
+        """What this tier cannot ask of any kind: the fake backend neither communicates (no
+        group is proven by an all-gather) nor has other backends (every group is fake)."""
+        if self.backend != "fake":
+            return ()
+        return (
+            "groups are not proven by an all-gather (the fake backend does not communicate)",
+            "backends are not compared (every group of a fake world is fake)",
+        )
 
     @property
     def passed(self) -> bool:
@@ -270,14 +284,20 @@ def _judge(
             f"{reference}), but the builder built it"
         )
     observed = ObservedLayout.of(observations)
-    known = set(reference.kinds()) | set(reference.unavailable())
+    known = [*reference.kinds(), *reference.unavailable()]
     checked = tuple(name for name in observed.names() if name in known)
     if not checked:
         return done(error=f"the builder observed no kind the reference knows: {observed.names()}")
+    builder = f"the real {args[0]} adapter" if args[3] else f"meshsim's {args[0]} builder"
     return done(
         diff=diff(observed, reference, checked),
         kinds_checked=checked,
         observations=tuple(observed),
+        skipped={
+            kind: f"{builder} does not observe it (no rank recorded a group or its absence)"
+            for kind in known
+            if kind not in checked
+        },
     )
 
 

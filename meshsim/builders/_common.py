@@ -12,7 +12,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshsim import torch_private
 from meshsim.checks import GroupView, Observation
-from meshsim.checks.snapshot import disagreements, held_groups, observe_held
+from meshsim.checks.snapshot import (
+    disagreements,
+    held_groups,
+    is_rank_list,
+    mesh_backends,
+    observe_held,
+    rank_list_view,
+)
 
 # OLMo-core and legacy torchtitan slice flattened names from the root mesh, which torch 2.11+
 # warns "will be deprecated"; the builders replay that on purpose, once per getter per rank.
@@ -21,9 +28,10 @@ warnings.filterwarnings("ignore", "Slicing a flattened dim from root mesh", User
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-#: What a builder hands :func:`collect` for one kind: a (sub-)mesh, a process group, ``None``
-#: (this rank holds no group of that kind) or the exception the framework's getter raised.
-Entry = Union[DeviceMesh, "ProcessGroup", BaseException, None]
+#: What a builder hands :func:`collect` for one kind: a (sub-)mesh, a process group, a rank list
+#: the framework hands out instead of a group (DeepSpeed's p2p pair), ``None`` (this rank holds
+#: no group of that kind) or the exception the framework's getter raised.
+Entry = Union[DeviceMesh, "ProcessGroup", tuple[int, ...], BaseException, None]
 
 
 class FrameworkRejection(RuntimeError):
@@ -121,9 +129,12 @@ def collect(entries: Mapping[str, Entry]) -> Observation:
     absent: list[str] = []
     meshes: dict[str, DeviceMesh] = {}
     groups: dict[str, ProcessGroup | None] = {}
+    lists: dict[str, tuple[int, ...]] = {}
     for name, entry in entries.items():
         if entry is None or isinstance(entry, BaseException):
             absent.append(name)
+        elif is_rank_list(entry):
+            lists[name] = tuple(entry)
         elif isinstance(entry, DeviceMesh) and entry.ndim != 1:
             meshes[name] = entry
         elif isinstance(entry, DeviceMesh):
@@ -141,6 +152,7 @@ def collect(entries: Mapping[str, Entry]) -> Observation:
     # order, so those collectives cannot deadlock.
     observed = observe_held(groups, held, prove, disagree)
     views.update(observed.groups)
+    views.update({n: rank_list_view(n, ranks) for n, ranks in lists.items()})
     ordered = {name: views[name] for name in entries if name in views}  # the builder's order
     return Observation(rank, world, backend, ordered, absent=(*absent, *observed.absent))
 
@@ -149,14 +161,16 @@ def _mesh_view(
     name: str, sub: DeviceMesh, rank: int, prove: bool, disagreement: str | None
 ) -> GroupView:
     members = tuple(int(r) for r in sub.mesh.flatten().tolist())
-    gathered = _gather_along_dims(sub) if prove and disagreement is None else None
+    backends = mesh_backends(sub)
+    prove = prove and disagreement is None and "fake" not in backends
     return GroupView(
         name=name,
         members=members,
         local_rank=members.index(rank) if rank in members else -1,
         mesh=sub.mesh.tolist(),
-        gathered=gathered,
+        gathered=_gather_along_dims(sub) if prove else None,
         disagreement=disagreement,
+        backends=backends,
     )
 
 

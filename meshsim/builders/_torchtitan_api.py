@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim.builders._common import Entry
 from meshsim.checks import GroupView, Observation
-from meshsim.checks.snapshot import disagreements
+from meshsim.checks.snapshot import disagreements, mesh_backends
 
 SINGLETONS = "include_singleton_axes=True"
 AXES = (
@@ -127,6 +127,7 @@ def observe(named: dict[str, Entry]) -> Observation:
             mesh=entry.mesh.tolist(),
             gathered=gathered,
             disagreement=disagree.get(name),
+            backends=mesh_backends(entry),
         )
     return Observation(rank, world, backend, views, absent=tuple(absent))
 

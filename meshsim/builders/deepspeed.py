@@ -63,6 +63,15 @@ def topology(world_size: int, config: Mapping[str, Any]) -> tuple[list[str], lis
     return ["pipe", "data", "model"], [num_pp, num_dp, num_mp]
 
 
+def _next_stage_pair(root: Any) -> tuple[int, int]:
+    """This rank's ``[rank, next stage]`` pair, read off its live pipe group (wrapping)."""
+    import torch.distributed as dist
+
+    stages = [int(r) for r in root["pipe"].mesh.tolist()]
+    me = dist.get_rank()
+    return me, stages[(stages.index(me) + 1) % len(stages)]
+
+
 def _default_pipe_data(world_size: int) -> tuple[int, int]:
     """The grid's default: the world's prime factors, ascending, dealt to pipe and data in turn."""
     sizes = [1, 1]
@@ -99,6 +108,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
             entries["model"] = new_groups([[r] for r in range(world_size)])
         replica = [a for a in axes if a != "data"]
         entries["model_parallel"] = flatten(root, replica, "model_parallel")
+        entries["p2p"] = _next_stage_pair(root)
         pp = dims[axes.index("pipe")]
         others = [a for a, d in zip(axes, dims) if a not in ("pipe", "data", "model") and d > 1]
         if pp > 1 and others:  # PipelineModule would deadlock: no tied group exists

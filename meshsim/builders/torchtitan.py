@@ -9,7 +9,9 @@
   of dp / dp_shard_cp / dp_cp / ep on it;
 * hyper_parallel: the seed's root mesh and its ``fsdp`` / ``dp`` / ``loss`` flatten aliases.
 
-Axes ``get_mesh`` refuses (fake-backed in torchtitan) are recorded as absent, never observed.
+Axes torchtitan counts as off are unflattened with the ``fake`` backend, as torchtitan does;
+``get_mesh`` refuses them, so they are recorded as absent there, and observed (with their
+backend) where ``get_optional_mesh(..., include_singleton_axes=True)`` hands them out.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshsim import torch_private
 from meshsim.builders import _torchtitan_api as titan_api
 from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, require
+from meshsim.builders.real._shims import register_fake_backend
 from meshsim.checks import Observation
 
 _KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
@@ -88,9 +91,23 @@ def _views(
 ) -> _Replica:
     """The current/intermediate ``build_mesh``: unflatten one world mesh into every view."""
     world = mesh((world_size,), ("world",))
+    # torchtitan's _mesh_exist: which axes get a real backend (the others are unflattened
+    # "fake"). dp_shard, the dense storage axis, stays real at size 1 under spmd_types, and in
+    # 0.3.0 (current) under full_dtensor too.
+    storage = ("spmd_types", "full_dtensor") if version == "current" else ("spmd_types",)
+
+    def exists(axis: str, degree: int) -> bool:
+        if axis == "fsdp" or (axis == "dp_shard" and backend in storage):
+            return True
+        return d["ep"] > 1 if axis == "efsdp" else degree > 1
 
     def unflatten(dims: Mapping[str, int]) -> DeviceMesh:
-        return torch_private.unflatten(world, 0, tuple(dims.values()), tuple(dims))
+        fake = {name: "fake" for name, degree in dims.items() if not exists(name, degree)}
+        if fake:
+            register_fake_backend()
+        return torch_private.unflatten(
+            world, 0, tuple(dims.values()), tuple(dims), backend_override=fake
+        )
 
     pp, dpr, dps, cp, tp, ep = (d[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
     batch, fsdp = dpr * dps, dps * cp
@@ -125,15 +142,7 @@ def _views(
         single["fsdp"] = dense["fsdp"]
     else:
         single["dp_shard"] = dense["dp_shard"]
-    # torchtitan's _mesh_exist: which axes get a real backend. dp_shard, the dense storage axis,
-    # stays real at size 1 under spmd_types, and in 0.3.0 (current) under full_dtensor too.
-    storage = ("spmd_types", "full_dtensor") if version == "current" else ("spmd_types",)
-    real = {
-        axis: axis == "fsdp"
-        or (axis == "dp_shard" and backend in storage)
-        or (ep > 1 if axis == "efsdp" else view.size() > 1)
-        for axis, view in single.items()
-    }
+    real = {axis: exists(axis, view.size()) for axis, view in single.items()}
     return _Replica(world, single, views, real, backend)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from meshsim.checks.observation import Observation, ObservedLayout
+from meshsim.checks.observation import GroupView, Observation, ObservedLayout
 from meshsim.errors import UsageError
 from meshsim.harness.outcome import rank_label
-from meshsim.model.expected import Expected
+from meshsim.model.expected import Expected, Kind
 from meshsim.model.groups import Group, format_groups
 
 
@@ -16,8 +16,10 @@ from meshsim.model.groups import Group, format_groups
 class Mismatch:
     """Ranks that saw the same wrong thing for one kind.
 
-    ``aspect`` is ``members`` (wrong group), ``local_rank``, ``proof`` (an all-gather over the
-    group disagreed with its member list), ``missing`` (no group of that name on the rank) or
+    ``aspect`` is ``members`` (wrong group), ``disagreement`` (the group's members each claim a
+    different group), ``local_rank``, ``backend`` (a group built on another backend than the
+    reference's, e.g. a real axis left ``fake``), ``proof`` (an all-gather over the group
+    disagreed with its member list), ``missing`` (no group of that name on the rank) or
     ``unexpected`` (the framework raises for this kind, yet a group exists).
     """
 
@@ -90,7 +92,7 @@ class MeshDiff:
                 f"{_groups_text([m.expected for m in wrong], limit)}; observed "
                 f"{_groups_text([m.observed for m in wrong], limit)}"
             )
-        for aspect in ("local_rank", "proof", "unexpected"):
+        for aspect in ("disagreement", "local_rank", "backend", "proof", "unexpected"):
             some = [m for m in found if m.aspect == aspect]
             if some:
                 who = sorted({r for m in some for r in m.ranks})
@@ -145,6 +147,29 @@ def _kinds_to_check(
             "observed groups after the kinds"
         )
     return chosen
+
+
+def _backend_finding(ref: Kind, view: GroupView, world_backend: str) -> str:
+    """Why ``view`` sits on the wrong backend, or "" (also when it cannot be told: on the fake
+    tier every group is fake, whatever the framework asked for)."""
+    if view.backends is None or world_backend == "fake":
+        return ""
+    want = ref.backends_on(world_backend, len(view.backends))
+    if view.backends == want:
+        return ""
+
+    def said(backend: str) -> str:
+        return f"{backend} (the world's backend)" if backend == world_backend else backend
+
+    if len(want) == 1:
+        return f"backend {view.backends[0]}; expected {said(want[0])}"
+    dims = ref.mesh_dims if len(ref.mesh_dims) == len(want) else range(len(want))
+    wrong = [
+        f"dim {dim} on {seen}, expected {said(wanted)}"
+        for dim, seen, wanted in zip(dims, view.backends, want)
+        if seen != wanted
+    ]
+    return "backends: " + "; ".join(wrong)
 
 
 def diff(
@@ -203,6 +228,9 @@ def diff(
                     view.members,
                     f"local rank {view.local_rank}; expected {want.index(obs.rank)}",
                 )
+            backend = _backend_finding(ref, view, obs.backend)
+            if backend:  # one finding across groups: the backend is the kind's, not a group's
+                note(name, "backend", obs.rank, None, None, backend)
             if view.gathered is not None and view.gathered != view.members:
                 note(
                     name,

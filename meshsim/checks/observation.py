@@ -28,6 +28,10 @@ class GroupView:
     #: Set when this group's members do not all claim the same group ("ranks 0 and 2 disagree
     #: on tp: ..."); such a group is not proven by a collective, which would never complete.
     disagreement: str | None = None
+    #: The backend of each dim's process group as ``dist.get_backend(group)`` names it (one
+    #: entry for a process group); None when not observed. A ``fake`` group is never proven:
+    #: it does not communicate.
+    backends: tuple[str, ...] | None = None
 
     @property
     def proven(self) -> bool | None:

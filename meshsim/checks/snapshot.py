@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 from meshsim import torch_private
@@ -122,6 +124,16 @@ def _fmt(members: tuple[int, ...]) -> str:
     return "(" + ", ".join(map(str, members)) + ")"
 
 
+def backend_of(group: ProcessGroup) -> str:
+    """The group's backend as torch names it: ``gloo``, ``nccl``, ``fake``, ``cpu:gloo``, ..."""
+    return str(_dist().get_backend(group))
+
+
+def mesh_backends(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The backend of each dim's process group of ``mesh``, in dim order."""
+    return tuple(backend_of(mesh.get_group(dim)) for dim in range(mesh.ndim))
+
+
 def _view(
     dist: Any,
     name: str,
@@ -131,7 +143,8 @@ def _view(
     disagreement: str | None = None,
 ) -> GroupView:
     members = tuple(int(r) for r in dist.get_process_group_ranks(group))
-    prove = prove and disagreement is None
+    backend = backend_of(group)
+    prove = prove and disagreement is None and backend != "fake"
     gathered = _prove(dist, group, len(members)) if prove else None
     return GroupView(
         name=name,
@@ -141,6 +154,7 @@ def _view(
         description=getattr(group, "group_desc", None),
         gathered=gathered,
         disagreement=disagreement,
+        backends=(backend,),
     )
 
 
@@ -180,17 +194,44 @@ def observe(mesh: DeviceMesh, *, prove: bool = True, include_flattened: bool = T
     )
 
 
-def observe_groups(groups: Mapping[str, ProcessGroup | None], *, prove: bool = True) -> Observation:
+def observe_groups(
+    groups: Mapping[str, ProcessGroup | Sequence[int] | None], *, prove: bool = True
+) -> Observation:
     """Record named process groups (Megatron's and DeepSpeed's getters hand these out).
 
     A ``None`` group means this rank belongs to no group of that name (a middle pipeline stage
-    and the embedding group); it is recorded as absent, and checked as such.
+    and the embedding group); it is recorded as absent, and checked as such. A sequence of ranks
+    is a rank list the framework hands out instead of a process group (DeepSpeed's
+    ``grid.p2p_groups`` pair ``[rank, next stage]``): recorded as this rank's group of that
+    name, neither proven nor compared between ranks, since no collective runs over it and its
+    members each hold a different list.
     """
     dist = _dist()
     prove = prove and _can_communicate(dist)
-    held = held_groups(groups)
+    lists = {n: g for n, g in groups.items() if is_rank_list(g)}
+    process_groups = {n: g for n, g in groups.items() if n not in lists}
+    held = held_groups(process_groups)
     claims = {name: tuple(dist.get_process_group_ranks(g)) for name, g in held.items()}
-    return observe_held(groups, held, prove, disagreements(claims) if prove else {})
+    observed = observe_held(process_groups, held, prove, disagreements(claims) if prove else {})
+    views = {**observed.groups, **{n: rank_list_view(n, r) for n, r in lists.items()}}
+    ordered = {name: views[name] for name in groups if name in views}
+    return replace(observed, groups=ordered)
+
+
+def is_rank_list(entry: object) -> bool:
+    """True for a plain list/tuple of ranks (not a process group, not a DeviceMesh)."""
+    return isinstance(entry, (list, tuple)) and all(
+        isinstance(r, Integral) and not isinstance(r, bool) for r in entry
+    )
+
+
+def rank_list_view(name: str, ranks: Sequence[int]) -> GroupView:
+    """A rank list this rank was handed, as a GroupView: never proven, no backend."""
+    members = tuple(int(r) for r in ranks)
+    me = int(_dist().get_rank())
+    return GroupView(
+        name=name, members=members, local_rank=members.index(me) if me in members else -1
+    )
 
 
 def held_groups(groups: Mapping[str, ProcessGroup | None]) -> dict[str, ProcessGroup]:

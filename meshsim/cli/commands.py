@@ -268,6 +268,29 @@ def _missing_framework(framework: str, exc: ModuleNotFoundError) -> str:
     return f"--real needs {framework} installed ({exc.name} is missing); {install_hint(framework)}"
 
 
+def _views_of(result: Any, kind: str) -> list[Any]:
+    """Every rank's GroupView of ``kind`` (none where the rank holds no such group)."""
+    observations = getattr(result, "observations", None) or ()
+    return [o.groups[kind] for o in observations if kind in o.groups]
+
+
+def _proof_text(result: Any, views: list[Any], unproven: bool, ok: bool) -> str:
+    """Whether an all-gather over the kind's groups returned their members, or why not asked."""
+    if result.backend == "fake":
+        return "no (fake tier)"
+    if unproven:
+        return "no"
+    if not views:
+        return "–"  # no rank holds such a group (the framework raises, or returns None)
+    if any(v.gathered is not None for v in views):
+        return "yes" if ok else "–"
+    if all(v.backends is None for v in views):
+        return "– (rank list)"
+    if any(v.disagreement for v in views):
+        return "no (members disagree)"
+    return "– (fake backend)"
+
+
 def kinds_checked(result: Any) -> list[str]:
     checked = getattr(result, "kinds_checked", ()) or ()
     return list(checked.keys() if isinstance(checked, Mapping) else checked)
@@ -291,7 +314,7 @@ def print_result(out: Any, result: Any, expected: Expected, wall: float | None =
         out.print("[red]MISMATCH[/red]")
         out.print(str(result.diff), markup=False)
     table = Table(header_style="bold")
-    for title in ("kind", "#groups", "size", "matches reference", "proven by all-gather"):
+    for title in ("kind", "#groups", "size", "backend", "matches reference", "proven"):
         table.add_column(title, no_wrap=True)
     bad = {m.kind for m in getattr(result.diff, "mismatches", ())}
     unproven = {m.kind for m in getattr(result.diff, "mismatches", ()) if m.aspect == "proof"}
@@ -299,30 +322,25 @@ def print_result(out: Any, result: Any, expected: Expected, wall: float | None =
         ref = expected.kind(kind)
         groups = ref.groups() if ref.available else None
         ok = kind not in bad and not result.error
+        views = _views_of(result, kind)
         if groups is None:  # the framework raises for this kind, and the build did too
-            matches, proof = ("yes (raises)" if ok else "no"), "–"
+            matches = "yes (raises)" if ok else "no"
         else:
             matches = "yes" if ok else "no"
-            proof = (
-                "no (fake)"
-                if result.backend == "fake"
-                else "no"
-                if kind in unproven
-                else ("yes" if ok else "–")
-            )
         table.add_row(
             Text(kind),  # names like dense[tp] are not rich markup
             str(len(groups)) if groups is not None else "–",
             str(groups.group_size) if groups is not None else "–",
+            ", ".join(sorted({b for v in views for b in (v.backends or ())})) or "–",
             f"[green]{matches}[/green]" if ok else f"[red]{matches}[/red]",
-            proof,
+            _proof_text(result, views, kind in unproven, ok),
         )
     out.print(table)
-    if result.backend == "fake":
-        out.print(
-            "[dim]fake backend: groups are built and compared, not communicated over; "
-            "--backend gloo proves each one by an all-gather[/dim]"
-        )
+    for kind, why in (getattr(result, "skipped", None) or {}).items():
+        out.print(f"[yellow]skipped[/yellow] {kind}: ", end="")
+        out.print(why, markup=False)
+    for limit in getattr(result, "tier_limits", ()):
+        out.print(f"[dim]{result.backend} tier: {limit}; --backend gloo asks it[/dim]")
     verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
     rejected = getattr(result, "rejected", None)
     what = (
@@ -343,6 +361,8 @@ def result_json(result: Any) -> dict[str, Any]:
         "passed": result.passed,
         "seconds": result.seconds,
         "kinds_checked": kinds_checked(result),
+        "kinds_skipped": dict(getattr(result, "skipped", None) or {}),
+        "tier_limits": list(getattr(result, "tier_limits", ())),
         "error": None if result.error is None else str(result.error),
         "diff": None if result.diff is None else str(result.diff),
     }

@@ -15,10 +15,6 @@ from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
 
 VERBS = ("show", "diff", "verify", "sweep", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
-#: ``sweep``'s default tier: fake checks every group of every layout without communicating, and
-#: costs several times less than gloo per layout (benchmarks/ section 4), so real communication
-#: runs on a sample (``--communicate N``) or, with ``--backend gloo``, on everything.
-SWEEP_BACKEND = "fake"
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
     | {"--dataflow"}
@@ -227,10 +223,17 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sweep.add_argument(
         "--backend",
         choices=BACKENDS,
-        default=SWEEP_BACKEND,
-        help=f"default {SWEEP_BACKEND!r}: builds and checks every group of every layout "
-        "without communicating. threaded and gloo also prove each group by an all-gather and "
-        "cost several times more per layout; see --communicate",
+        default=None,
+        help=f"default {sweeping.SWEEP_BACKEND!r} (gloo with --real): builds and checks every "
+        "group of every layout without communicating. threaded and gloo also prove each group "
+        "by an all-gather and cost several times more per layout; see --communicate",
+    )
+    sweep.add_argument(
+        "--real",
+        action="store_true",
+        help="build every layout with the installed framework's own code (default: every "
+        "framework meshsim has an adapter for and finds installed); the way to put meshsim "
+        "in a framework's CI",
     )
     sweep.add_argument(
         "--communicate",

@@ -25,6 +25,11 @@ from meshsim.model.conventions import CONVENTIONS
 from meshsim.model.sweep import LayoutCase, layouts
 
 TIERS = ("fake", "threaded", "gloo")
+#: The default tier: fake checks every group of every layout without communicating, and costs
+#: several times less than gloo per layout (benchmarks/ section 4), so real communication runs
+#: on a sample (``--communicate N``) or, with ``--backend gloo``, on everything. ``--real``
+#: defaults to gloo: the frameworks' own code expects a communicating world.
+SWEEP_BACKEND = "fake"
 #: Tiers that move data: each group is proven by an all-gather over it.
 COMMUNICATING = ("threaded", "gloo", "nccl")
 #: Seconds between progress lines when stderr is not a terminal (a log file, CI).
@@ -162,14 +167,17 @@ def run(args: argparse.Namespace) -> int:
         import meshsim.verify  # noqa: F401
     except ModuleNotFoundError as exc:
         raise UsageError(f"sweep needs meshsim.verify ({exc.name} is missing)") from None
+    if args.backend is None:
+        args.backend = "gloo" if args.real else SWEEP_BACKEND
+    out = render.console(stderr=args.json == "-")
+    if args.real:
+        args.frameworks = real_frameworks(args.frameworks, out)
     cases = collect_cases(args.world_size, args.frameworks, args.limit)
     if not cases:
         raise UsageError(f"no valid layouts for world size {args.world_size}")
     steps = plan(args, cases)
     tiers = [tier for tier, _ in steps]
     outcomes = [Outcome(case) for case in cases]
-    to_stdout = args.json == "-"
-    out = render.console(stderr=to_stdout)
     started = time.perf_counter()
     interrupted: str | None = None
     stop = _StopRequest()
@@ -179,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
             for tier, indices in steps:
                 progress.start(tier, len(indices))
                 chosen = [cases[i] for i in indices]
-                for index, result in results(chosen, tier, args.timeout, args.jobs):
+                found = results(chosen, tier, args.timeout, args.jobs, real=args.real)
+                for index, result in found:
                     outcomes[indices[index]].results[tier] = result
                     progress.advance(tier, result.passed)
                     if stop.name or (args.fail_fast and not result.passed):
@@ -196,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     elapsed = time.perf_counter() - started
     done = [o for o in outcomes if o.results]
-    report = Report(args.world_size, tiers, done, len(cases), elapsed, interrupted)
+    report = Report(args.world_size, tiers, done, len(cases), elapsed, interrupted, args.real)
     summary_table(out, report)
     failures = [o for o in done if not o.passed]
     for o in failures[:10]:
@@ -228,6 +237,7 @@ class Report:
     total: int  # layouts the sweep was asked to verify
     elapsed: float  # wall seconds of the whole sweep, pool starts included
     interrupted: str | None = None  # the signal that stopped it, None when it ran to the end
+    real: bool = False  # built by the frameworks' own code (--real), not meshsim's builders
 
 
 class _Progress:
@@ -294,20 +304,20 @@ def _progress(console: Any, started: float) -> _Progress:
 
 
 def results(
-    cases: Sequence[LayoutCase], tier: str, timeout: float, jobs: int = 1
+    cases: Sequence[LayoutCase], tier: str, timeout: float, jobs: int = 1, *, real: bool = False
 ) -> Iterator[tuple[int, Any]]:
     """(case index, VerifyResult) as they arrive; fake/threaded chunks spread over ``jobs``
     processes (each case is independent, and the fake tier is CPU-bound in one process)."""
     from meshsim.verify import FAKE_BATCH, verify_many
 
     if jobs <= 1 or tier not in PARALLEL_TIERS or len(cases) <= FAKE_BATCH:
-        yield from enumerate(verify_many(cases, tier, timeout=timeout))
+        yield from enumerate(verify_many(cases, tier, timeout=timeout, real=real))
         return
     chunks = [(i, list(cases[i : i + FAKE_BATCH])) for i in range(0, len(cases), FAKE_BATCH)]
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch state
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
     try:
-        futures = {pool.submit(verify_chunk, chunk, tier, timeout): i for i, chunk in chunks}
+        futures = {pool.submit(verify_chunk, chunk, tier, timeout, real): i for i, chunk in chunks}
         for future in as_completed(futures):
             for offset, result in enumerate(future.result()):
                 yield futures[future] + offset, result
@@ -315,11 +325,37 @@ def results(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def verify_chunk(cases: list[LayoutCase], tier: str, timeout: float) -> list[Any]:
+def verify_chunk(
+    cases: list[LayoutCase], tier: str, timeout: float, real: bool = False
+) -> list[Any]:
     """Run in a sweep worker process: verify a chunk of cases on one tier."""
     from meshsim.verify import verify_many
 
-    return list(verify_many(cases, tier, timeout=timeout))
+    return list(verify_many(cases, tier, timeout=timeout, real=real))
+
+
+def real_frameworks(asked: Sequence[str] | None, out: Any) -> list[str]:
+    """The frameworks ``sweep --real`` runs: those asked for (each must be runnable here: a
+    usage error says why not), else every one with an adapter that is installed; the others
+    are named on the console with the reason."""
+    from meshsim.builders import real as adapters
+
+    if asked:
+        for name in asked:
+            reason = adapters.unavailable(name)
+            if reason is not None:
+                raise UsageError(f"sweep {reason}")
+        return list(asked)
+    runnable = [n for n in adapters.REAL_BUILDERS if adapters.unavailable(n) is None]
+    for name in adapters.REAL_BUILDERS:
+        if name not in runnable:
+            out.print(f"[yellow]sweep --real leaves out {name}[/yellow]: ", end="")
+            out.print(adapters.unavailable(name), markup=False)
+    if not runnable:
+        raise UsageError(
+            "sweep --real found no framework installed to run; " + adapters.install_hint("megatron")
+        )
+    return runnable
 
 
 def default_jobs() -> int:
@@ -365,7 +401,8 @@ def summary_table(out: Any, report: Report) -> None:
     """Convention x tier: what was verified where, and what was proven by communication."""
     state = f", interrupted by {report.interrupted}" if report.interrupted else ""
     table = Table(
-        title=f"sweep of world {report.world_size} on {', '.join(report.tiers)}: "
+        title=f"sweep of world {report.world_size} on {', '.join(report.tiers)}"
+        f"{' (real frameworks)' if report.real else ''}: "
         f"{len(report.outcomes)} of {report.total} layouts in {report.elapsed:.1f} s wall{state}",
         header_style="bold",
     )
@@ -427,6 +464,7 @@ def report_json(report: Report) -> dict[str, Any]:
         "verb": "sweep",
         "world_size": report.world_size,
         "tiers": report.tiers,
+        "real": report.real,
         "seconds": report.elapsed,
         "complete": report.interrupted is None and len(report.outcomes) == report.total,
         "interrupted": report.interrupted,

@@ -58,6 +58,11 @@ class Kind:
     leads (DeepSpeed's ``[rank, next stage]`` pairs, where every rank also sits second in the
     previous stage's pair). ``mesh_dims``/``mesh_shape`` describe a multi-dim sub-mesh
     whose flattened ranks make each group (OLMo-core's 2-D HSDP mesh, for instance).
+    ``backends`` names the backend each dim's process group must have, in ``mesh_dims`` order
+    (one entry for a 1-D group); ``None`` or an empty tuple means the world's own backend.
+    Frameworks pick others on purpose: megatron's gloo twins, torchtitan's ``fake`` size-1
+    axes, ``init_device_mesh(backend_override=...)``; a real axis left ``fake`` never
+    communicates, which no member list shows.
     """
 
     name: str
@@ -67,6 +72,7 @@ class Kind:
     keyed_by_first: bool = False
     mesh_dims: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
+    backends: tuple[str | None, ...] = ()
     _cache: list[Groups] = field(default_factory=list, repr=False)
 
     @property
@@ -80,6 +86,12 @@ class Kind:
             return groups.group_of(rank)
         rows = np.flatnonzero(groups.array[:, 0] == rank) if len(groups) else ()
         return groups[int(rows[0])] if len(rows) else None
+
+    def backends_on(self, world_backend: str, dims: int) -> tuple[str, ...]:
+        """The backend each of ``dims`` process groups must report in a world on
+        ``world_backend`` (``dist.get_backend(group)``'s spelling)."""
+        named = self.backends if len(self.backends) == dims else (None,) * dims
+        return tuple(world_backend if b is None else b for b in named)
 
     def groups(self) -> Groups:
         if isinstance(self.source, LayoutError):
@@ -96,6 +108,7 @@ def layout_kind(
     description: str,
     *dims: str,
     partition: bool = True,
+    backends: tuple[str | None, ...] = (),
 ) -> Kind:
     """A kind whose groups span ``dims`` of ``layout`` (computed on first use)."""
     spanned = dims or layout.dim_names
@@ -107,6 +120,7 @@ def layout_kind(
         partition=partition,
         mesh_dims=tuple(spanned),
         mesh_shape=shape,
+        backends=backends,
     )
 
 

@@ -30,7 +30,9 @@ def test_verify_fake_passes_with_a_table() -> None:
     out = result.stdout
     assert "PASS: 25 kinds checked" in out
     row = next(line for line in out.splitlines() if line.startswith("│ tp "))
-    assert [c.strip() for c in row.strip("│").split("│")] == ["tp", "4", "2", "yes", "no (fake)"]
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells == ["tp", "4", "2", "fake", "yes", "no (fake tier)"]
+    assert "fake tier: backends are not compared" in out
 
 
 def test_verify_gloo_proves_groups_by_all_gather() -> None:
@@ -87,6 +89,53 @@ def test_verify_mismatch_prints_the_diff_and_exits_1(
     assert "FAIL" in out
 
 
+def test_verify_checks_every_kind_of_deepspeed_p2p_included() -> None:
+    """The p2p pairs (pipeline neighbour direction) are a kind verify compares, not a gap."""
+    result = verify_module.verify("deepspeed", 8, "threaded", num_pp=4, num_dp=2)
+    assert result.passed, str(result)
+    assert "p2p" in result.kinds_checked and result.skipped == {}
+    expected = meshsim.expect("deepspeed", 8, num_pp=4, num_dp=2)
+    assert set(result.kinds_checked) == set(expected.kinds()) | set(expected.unavailable())
+
+
+def test_kinds_no_rank_observed_are_reported_as_skipped_with_why() -> None:
+    """A builder that leaves a kind out does not pass silently on the kinds it did observe."""
+    expected = meshsim.expect("megatron", 8, tensor_model_parallel_size=2)
+    built = [(obs, 0.0) for obs in _right_tp_only(expected)]
+    args = ("megatron", 8, {"tensor_model_parallel_size": 2}, True)
+    result = verify_module._judge(args, "gloo", expected, built)
+    assert result.kinds_checked == ("tp",) and result.passed
+    assert set(result.skipped) == (set(expected.kinds()) | set(expected.unavailable())) - {"tp"}
+    assert result.skipped["dp"] == (
+        "the real megatron adapter does not observe it (no rank recorded a group or its absence)"
+    )
+
+
+def _right_tp_only(expected: meshsim.Expected) -> list[Observation]:
+    out = []
+    for rank in range(expected.world_size):
+        members = expected.group_of(rank, "tp")
+        view = GroupView("tp", members, members.index(rank), backends=("gloo",))
+        out.append(Observation(rank, expected.world_size, "gloo", {"tp": view}))
+    return out
+
+
+def test_verify_prints_skipped_kinds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = meshsim.expect("megatron", 8, tensor_model_parallel_size=2)
+    built = [(obs, 0.0) for obs in _right_tp_only(expected)]
+
+    def partial_verify(framework: str, world: int, backend: str, **kw: Any) -> Any:
+        args = (framework, world, {"tensor_model_parallel_size": 2}, False)
+        return verify_module._judge(args, backend, expected, built)
+
+    monkeypatch.setattr(verify_module, "verify", partial_verify)
+    assert main(["verify", "megatron", "-n", "8", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped dp: meshsim's megatron builder does not observe it" in out
+
+
 def test_sweep_fake_json_and_junit(tmp_path: Path) -> None:
     report, junit = tmp_path / "sweep.json", tmp_path / "junit.xml"
     # 43 olmo-core layouts: two chunks, verified side by side in 2 worker processes
@@ -139,7 +188,9 @@ def test_sweep_fails_when_tiers_disagree(
     mismatch = diff(_wrong_observations(expected), expected, ["tp"])
     cases = meshsim.layouts(8, "megatron")[:3]
 
-    def results(cases_: Any, tier: str, timeout: float, jobs: int) -> Iterator[tuple[int, Any]]:
+    def results(
+        cases_: Any, tier: str, timeout: float, jobs: int, real: bool = False
+    ) -> Iterator[tuple[int, Any]]:
         for i, case in enumerate(cases_):
             broken = tier == "threaded" and i == 1  # one tier sees another group on one layout
             yield i, _result(case, tier, mismatch if broken else None)

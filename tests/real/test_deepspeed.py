@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,12 +74,12 @@ REFUSED: list[tuple[int, dict[str, Any]]] = [
 
 @pytest.mark.parametrize("config", WORLD_4, ids=case_id)
 def test_world_4_matches_reference(config: dict[str, Any]) -> None:
-    assert_matches("deepspeed", 4, config, unobserved=["p2p"])
+    assert_matches("deepspeed", 4, config)
 
 
 @pytest.mark.parametrize("config", WORLD_8, ids=case_id)
 def test_world_8_matches_reference(config: dict[str, Any]) -> None:
-    assert_matches("deepspeed", 8, config, unobserved=["p2p"])
+    assert_matches("deepspeed", 8, config)
 
 
 @pytest.mark.parametrize(("world", "config"), REFUSED, ids=case_id)
@@ -90,10 +92,10 @@ def test_moe_example_world_8() -> None:
     ignores tp, so EP groups are consecutive pairs (the TP pairs); with expert tensor
     parallelism, E + D strides the experts by tp inside each dense DP group."""
     config: dict[str, Any] = {"num_mp": 2, "num_dp": 4, "ep": 2}
-    default = assert_matches("deepspeed", 8, config, unobserved=["p2p"])
+    default = assert_matches("deepspeed", 8, config)
     assert [o.groups["expert"].members for o in default[:4]] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert default[0].groups["expert_data"].members == (0, 2, 4, 6)
-    tensor = assert_matches("deepspeed", 8, {**config, ETP: True}, unobserved=["p2p"])
+    tensor = assert_matches("deepspeed", 8, {**config, ETP: True})
     assert tensor[0].groups["expert"].members == (0, 2)
     assert tensor[0].groups["expert_data"].members == (0, 4)
 
@@ -119,7 +121,7 @@ def test_extra_axis_has_no_tied_embedding_group() -> None:
     ``_index_tied_modules`` only loops over data and model coordinates, so ranks of different
     ``seq`` coordinates would create different groups and deadlock."""
     config = {"axes": ["pipe", "data", "seq"], "dims": [2, 2, 2]}
-    observations = assert_matches("deepspeed", 8, config, unobserved=["p2p"])
+    observations = assert_matches("deepspeed", 8, config)
     assert all("embedding" in o.absent for o in observations)
     assert "deadlock" in str(expect("deepspeed", 8, **config).unavailable()["embedding"])
 
@@ -193,20 +195,20 @@ def test_comm_backend_skips_the_shm_op_and_is_reset() -> None:
 
 def test_moe_groups_are_rebuilt_per_build() -> None:
     """Same ep, different topologies, one warm world: the MoE group cache is cleared."""
-    assert_matches("deepspeed", 4, {"num_mp": 2, "num_dp": 2, "ep": 2}, unobserved=["p2p"])
-    assert_matches("deepspeed", 4, {"num_mp": 1, "num_dp": 4, "ep": 2}, unobserved=["p2p"])
+    assert_matches("deepspeed", 4, {"num_mp": 2, "num_dp": 2, "ep": 2})
+    assert_matches("deepspeed", 4, {"num_mp": 1, "num_dp": 4, "ep": 2})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", layouts(4, "deepspeed") + layouts(8, "deepspeed"), ids=case_id)
 def test_every_config_matches_reference(case: Any) -> None:
-    assert_matches("deepspeed", case.world_size, case.config, unobserved=["p2p"])
+    assert_matches("deepspeed", case.world_size, case.config)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", layouts(16, "deepspeed"), ids=case_id)
 def test_every_config_matches_reference_world_16(case: Any) -> None:
-    assert_matches("deepspeed", 16, case.config, unobserved=["p2p"])
+    assert_matches("deepspeed", 16, case.config)
 
 
 @pytest.mark.slow
@@ -295,3 +297,20 @@ def test_pipeline_module_parts_match_reference(method: str) -> None:
     widths = [8, 1, 1, 1, 4, 4, 2, 1, 1, 6]
     parts = run(_module_parts, 4, backend="gloo", timeout=TIMEOUT, args=(4, method, widths))
     assert parts == [partition_parts(4, [w * w + w for w in widths], method)] * 4
+
+
+def test_sweep_real_runs_every_layout_through_deepspeed(tmp_path: Path) -> None:
+    """``meshsim sweep --real --framework deepspeed``: the documented CI entry point for a
+    framework, every valid layout built by DeepSpeed's own code on gloo (its default tier)."""
+    from tests.cli.helpers import run_cli
+
+    report = tmp_path / "sweep.json"
+    result = run_cli(
+        "sweep", "--real", "--framework", "deepspeed", "-n", "4", "--json", str(report)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    assert data["real"] is True and data["tiers"] == ["gloo"]
+    assert data["layouts_done"] == len(layouts(4, "deepspeed")) == data["passed"]
+    assert all(r["tiers"]["gloo"]["real"] for r in data["results"])
+    assert all(r["tiers"]["gloo"]["kinds_skipped"] == {} for r in data["results"])

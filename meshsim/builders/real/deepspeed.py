@@ -33,9 +33,10 @@ kind names of ``meshsim.model.conventions.deepspeed``:
 as in DeepSpeed, ``AttributeError``); ``grid=False`` builds none and observes the bare topology's
 ``get_axis_comm_lists`` groups.
 
-``grid.p2p_groups`` (``[rank, next stage]`` lists, not process groups) is not observed: every
-rank sits in two pairs, so a per-rank diff cannot pick "its" pair; :func:`p2p_groups` returns
-the list for a direct comparison with the reference's ``p2p`` kind.
+* ``p2p``: the pair of ``grid.p2p_groups`` (``[rank, next stage]`` lists, not process groups)
+  this rank leads, the reference's ``keyed_by_first`` kind: a reversed pipeline neighbour shows
+  as a wrong pair. Every rank also sits second in its previous stage's pair, so the pairs are
+  not compared between ranks; :func:`p2p_groups` returns the whole list.
 
 ``deepspeed.comm`` is set up on the existing process group without ``init_distributed`` (see
 :func:`meshsim.builders.real._shims.deepspeed_comm`). Tested with deepspeed 0.19.8
@@ -172,6 +173,9 @@ def _grid_entries(grid: Any, ds_comm: Any, topo: Any) -> dict[str, Entry]:
             entries[axis] = _comm_list_group(ds_comm, topo.get_axis_comm_lists(axis))
     entries["model"] = grid.get_slice_parallel_group()
     entries["model_parallel"] = grid.get_model_parallel_group()
+    me = ds_comm.get_rank()
+    led = [tuple(int(r) for r in pair) for pair in grid.p2p_groups if int(pair[0]) == me]
+    entries["p2p"] = led[0] if led else None
     return entries
 
 

@@ -170,7 +170,7 @@ def api_kinds(views: _Views) -> dict[str, Kind]:
     kinds: dict[str, Kind] = {}
 
     def add(name: str, description: str, answer: Callable[[], Layout | None]) -> None:
-        kinds[name] = _kind(name, description, answer)
+        kinds[name] = _kind(views, name, description, answer)
 
     add("world_mesh", "world_mesh: the 1-D world mesh every view unflattens", lambda: views.world)
     for axis in AXES:
@@ -246,7 +246,7 @@ def _index(meshes: list[Layout], index: int) -> Layout:
     return meshes[index]
 
 
-def _kind(name: str, description: str, answer: Callable[[], Layout | None]) -> Kind:
+def _kind(views: _Views, name: str, description: str, answer: Callable[[], Layout | None]) -> Kind:
     """The kind of one call's answer: its groups, no groups (None) or its error."""
     try:
         mesh = answer()
@@ -254,7 +254,14 @@ def _kind(name: str, description: str, answer: Callable[[], Layout | None]) -> K
         return Kind(name, description, error)
     if mesh is None:
         return Kind(name, description, _NO_GROUPS, partition=False)
-    return Kind(name, description, mesh.groups, mesh_dims=mesh.dim_names, mesh_shape=mesh.shape)
+    return Kind(
+        name,
+        description,
+        mesh.groups,
+        mesh_dims=mesh.dim_names,
+        mesh_shape=mesh.shape,
+        backends=views.backends(mesh),
+    )
 
 
 def refused_configs(world_size: int) -> list[dict[str, object]]:

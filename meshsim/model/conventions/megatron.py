@@ -237,14 +237,16 @@ def _with_twins(kinds: list[Kind], gloo: bool, all_gather: bool) -> list[Kind]:
             )
             out.append(_twin(kind, "dp-cp:ag", getter, all_gather, "create_all_gather_group"))
         out += [
-            _twin(kind, name, getter, gloo, "create_gloo_process_groups")
+            _twin(kind, name, getter, gloo, "create_gloo_process_groups", backend="gloo")
             for name, (base, getter) in _GLOO_TWINS.items()
             if base == kind.name
         ]
     return out
 
 
-def _twin(base: Kind, name: str, getter: str, made: bool, key: str) -> Kind:
+def _twin(
+    base: Kind, name: str, getter: str, made: bool, key: str, backend: str | None = None
+) -> Kind:
     if not made:
         error = LayoutError(
             f"{getter} asserts: {key}=False, so megatron-core made no such group",
@@ -258,6 +260,7 @@ def _twin(base: Kind, name: str, getter: str, made: bool, key: str) -> Kind:
         partition=base.partition,
         mesh_dims=base.mesh_dims,
         mesh_shape=base.mesh_shape,
+        backends=(backend,),
     )
 
 

@@ -55,13 +55,18 @@ def expect(world_size: int, **config: Any) -> Expected:
     for op in config.get("ops", ()):
         _apply(views, _parse_op(op))
 
+    # A root dim keeps its overridden backend in every slice; flattened and unflattened dims
+    # get the world's (the ops take no override).
+    backend_of = {name: b for name, (b, _) in zip(root.dim_names, override or ()) if b}
     kinds: dict[str, Kind] = {}
-    for view in views:
+    for index, view in enumerate(views):  # views[0] is the root (with its flattened aliases)
         for dim in view.dim_names:
-            _add(kinds, layout_kind(view, dim, f"mesh dim {dim!r} of {view!r}", dim))
+            backend = (backend_of.get(dim),) if index == 0 else ()
+            description = f"mesh dim {dim!r} of {view!r}"
+            _add(kinds, layout_kind(view, dim, description, dim, backends=backend))
         for alias, axes in view.aliases.items():
             _add(kinds, layout_kind(view, alias, f"_flatten of {axes} into {alias!r}", alias))
-    _add(kinds, _local_rank_kind(root))
+    _add(kinds, _local_rank_kind(root, backend_of))
 
     roles = {role: _pick(kinds, names) for role, names in _ROLE_CANDIDATES.items()}
     roles = {r: k for r, k in roles.items() if k is not None}
@@ -81,10 +86,12 @@ def expect(world_size: int, **config: Any) -> Expected:
     return Expected("torch", world_size, normal, kinds.values(), roles, layout=views[-1].root())
 
 
-def _local_rank_kind(root: Layout) -> Kind:
+def _local_rank_kind(root: Layout, backend_of: Mapping[str, str]) -> Kind:
     """torch answers only on a 1-D mesh; an N-D one raises rather than guess a dim."""
     if root.ndim == 1:
-        return layout_kind(root, LOCAL_RANK_KIND, _LOCAL_RANK_DESCRIPTION, root.dim_names[0])
+        dim = root.dim_names[0]
+        backend = (backend_of.get(dim),)
+        return layout_kind(root, LOCAL_RANK_KIND, _LOCAL_RANK_DESCRIPTION, dim, backends=backend)
     error = LayoutError(
         f"Found the DeviceMesh have {root.ndim} dimensions; Optional kwarg `mesh_dim` needs to "
         "be specified when device_mesh.ndim > 1.",

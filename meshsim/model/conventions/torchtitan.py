@@ -184,17 +184,30 @@ class _Views:
     def exists(self, axis: str) -> bool:
         """``_mesh_exist``: is the axis backed by a real process group (not ``fake``)?"""
         if axis not in self.memo:
-            self.memo[axis] = self._exists(axis)
+            self.memo[axis] = self.mesh_exist(axis, self.single[axis].size)
         return bool(self.memo[axis])
 
-    def _exists(self, axis: str) -> bool:
-        if axis == "fsdp":
+    def mesh_exist(self, name: str, degree: int) -> bool:
+        """torchtitan's ``_mesh_exist(name, degree)``, asked of every dim it unflattens."""
+        if name == "fsdp":
             return True  # fully_shard needs it, even at degree 1, for mixed precision
-        if axis == "dp_shard" and self.backend in self._storage_backends():
+        if name == "dp_shard" and self.backend in self._storage_backends():
             return True
-        if axis == "efsdp":
+        if name == "efsdp":
             return self.degrees.ep > 1
-        return self.single[axis].size > 1
+        return degree > 1
+
+    def backends(self, mesh: Layout) -> tuple[str | None, ...]:
+        """The backend of each dim of a mesh sliced from the views: ``fake`` where
+        ``build_mesh`` unflattened a dim it counts as off; the world's elsewhere (``world``
+        and the flattened ``loss_mesh`` come from ``init_device_mesh`` and ``_flatten``,
+        which take no override)."""
+        return tuple(
+            None
+            if dim in ("world", "loss_mesh") or self.mesh_exist(dim, mesh.size_of(dim))
+            else "fake"
+            for dim in mesh.dim_names
+        )
 
     def _storage_backends(self) -> tuple[str, ...]:
         """Backends under which ``dp_shard`` is the dense storage axis, kept real at size 1.
