@@ -15,7 +15,7 @@ import functools
 from typing import Any
 
 from meshsim import torch_private
-from meshsim.harness import recorder
+from meshsim.harness import recorder, rng
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.divergence import Comparison, RankSink
@@ -43,11 +43,15 @@ class FakeBackend:
         recorder.install()
         fast_path = NonMemberFastPath()
         try:
-            with isolated_world(job.timeout, what="backend='fake'", per_thread=False):
+            with (
+                isolated_world(job.timeout, what="backend='fake'", per_thread=False),
+                rng.caller_state_kept(),
+            ):
                 fast_path.install()
                 try:
                     for rank in job.ranks:
                         reset_rank_state()
+                        rng.torch_fresh()  # each rank starts as a new process: torch's seed
                         sink = comparison.begin_rank(rank)
                         outcome = _run_rank(job, rank, sink)
                         comparison.end_rank(sink, final=outcome.ok)

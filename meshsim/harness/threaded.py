@@ -30,7 +30,7 @@ from typing import Any
 
 from meshsim import torch_private
 from meshsim.errors import MeshsimError
-from meshsim.harness import mailbox, recorder
+from meshsim.harness import mailbox, recorder, rng
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world
@@ -70,6 +70,7 @@ class _Rank:
         self.run = run
         self.rank = rank
         self.sink = LiveSink(rank, run.table)
+        self.streams = rng.RankStreams()  # this rank's own generators, as a process has them
         self.outcome: RankOutcome | None = None
         self.lock = threading.Lock()
         self.thread = threading.Thread(
@@ -84,7 +85,7 @@ class _Rank:
         ctx = RankContext(rank=self.rank, world_size=job.world_size, backend="threaded")
         recorder.set_sink(self.sink)
         try:
-            with rank_context(ctx):
+            with rank_context(ctx), rng.rank_streams(self.streams):
                 dist.init_process_group(
                     "threaded",
                     rank=self.rank,
@@ -244,7 +245,7 @@ class ThreadedBackend:
         survivors: tuple[int, ...] = ()
         timed_out = diverged = False
         try:
-            with isolated_world(job.timeout, what="backend='threaded'"):
+            with isolated_world(job.timeout, what="backend='threaded'"), rng.threads_draw_apart():
                 plg.reset()
                 mailbox.reset()
                 run = _Run(job, plg, dist.HashStore())

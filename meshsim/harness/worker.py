@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 from meshsim import torch_private
-from meshsim.harness import isolation, pickling, recorder, rendezvous
+from meshsim.harness import isolation, pickling, recorder, rendezvous, rng
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.outcome import exception_fields
 
@@ -233,6 +233,7 @@ class Worker:
         os.environ.update(body_env)
         sys.path[:] = spec["sys_path"]
         os.chdir(spec["cwd"])
+        rng.start_fresh()  # a reused worker's generators as a new process's
         stack_file = open(os.path.join(job_dir, f"stack-{rank}"), "w")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         calls_fd = os.open(

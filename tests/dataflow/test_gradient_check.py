@@ -61,18 +61,9 @@ def _step(wrapper: str, over: str) -> str | None:
     return None
 
 
-HSDP_THREADED = (
-    "torch 2.13's threaded backend: after an FSDP2 HSDP step the replicas' parameters differ "
-    "although their full gradients agree bit for bit (the same program is exact on gloo), so "
-    "the replicate all-reduce is not complete when the optimizer reads the gradient there"
-)
-
-
 @pytest.mark.parametrize("backend", ["threaded", "gloo"])
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp+tp", "hsdp"])
 def test_reduced_over_the_gradient_group_passes(backend: str, wrapper: str) -> None:
-    if (wrapper, backend) == ("hsdp", "threaded"):
-        pytest.skip(HSDP_THREADED)
     assert list(meshsim.run(_step, 8, backend=backend, args=(wrapper, "dp_cp"))) == [None] * 8
 
 
@@ -88,7 +79,7 @@ def test_a_missing_member_is_caught_by_the_loss_scale(backend: str, wrapper: str
 
 def test_different_initial_weights_are_caught_even_when_gradients_agree() -> None:
     def body() -> str:
-        # cp peers differ; dp peers agree. Not torch.manual_seed: threaded ranks share one RNG.
+        # cp peers differ; dp peers agree.
         model = torch.nn.Linear(2, 2)
         with torch.no_grad():
             for param in model.parameters():
