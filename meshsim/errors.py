@@ -141,5 +141,7 @@ class DataflowMismatch(MeshsimError, AssertionError):
         more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
         head = f"{what} break the reference's roles ({len(problems)} problem"
         head += "s)" if len(problems) != 1 else ")"
-        super().__init__(head + ":\n  " + "\n  ".join(shown) + more)
+        # The first problem leads: pytest's short summary and JUnit show the first line only.
+        lead = problems[0].splitlines()[0] if problems else head
+        super().__init__(lead + "\n" + head + ":\n  " + "\n  ".join(shown) + more)
         self.problems = list(problems)

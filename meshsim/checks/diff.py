@@ -74,10 +74,47 @@ class MeshDiff:
         kinds = self.kinds()
         affected = self.ranks_affected()
         head = (
-            f"{len(kinds)} of {len(self.checked)} kinds checked differ ({', '.join(kinds)}) "
-            f"on {_count(affected)} against {self.expected}:"
+            f"{self.finding()}; {len(kinds)} of {len(self.checked)} kinds checked differ "
+            f"({', '.join(kinds)}) on {_count(affected)} against {self.expected}:"
         )
         return [head, *(f"  {line}" for kind in kinds for line in self._kind_lines(kind, limit))]
+
+    def combined(self, diffs: Iterable[MeshDiff]) -> MeshDiff:
+        """One diff of what ``diffs`` found on their ranks (each rank of a fake run diffs its
+        own groups): mismatches that are the same but for the ranks become one."""
+        ranks: dict[tuple[str, str, Group | None, Group | None, str], set[int]] = {}
+        checked: dict[str, int] = {}
+        for part in diffs:
+            for m in part.mismatches:
+                key = (m.kind, m.aspect, m.expected, m.observed, m.detail)
+                ranks.setdefault(key, set()).update(m.ranks)
+            for kind, count in part.checked.items():
+                checked[kind] = checked.get(kind, 0) + count
+        mismatches = tuple(
+            Mismatch(kind, aspect, tuple(sorted(who)), exp, obs, detail)
+            for (kind, aspect, exp, obs, detail), who in ranks.items()
+        )
+        return MeshDiff(self.expected, mismatches, checked)
+
+    def finding(self) -> str:
+        """The first difference in one line, for the first line of a failure report (pytest's
+        short summary, a JUnit message): ``tp groups differ: expected [(0, 1), (2, 3), ... 2
+        more] observed [(0, 4), (1, 5), ... 2 more] on ranks 0-7``."""
+        kind = self.kinds()[0]
+        found = [m for m in self.mismatches if m.kind == kind]
+        wrong = [m for m in found if m.aspect in ("members", "missing")]
+        if wrong:
+            who = sorted({r for m in wrong for r in m.ranks})
+            return (
+                f"{kind} groups differ: expected {_groups_text([m.expected for m in wrong], 2)} "
+                f"observed {_groups_text([m.observed for m in wrong], 2)} on {format_ranks(who)}"
+            )
+        first = found[0]
+        if first.aspect == "disagreement":
+            return first.detail
+        who = sorted({r for m in found if m.aspect == first.aspect for r in m.ranks})
+        what = _ASPECT_HEADS.get(first.aspect, first.aspect)
+        return f"{kind} {what} on {format_ranks(who)}: {first.detail}"
 
     def _kind_lines(self, kind: str, limit: int) -> list[str]:
         found = [m for m in self.mismatches if m.kind == kind]
@@ -104,6 +141,15 @@ class MeshDiff:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+#: How :meth:`MeshDiff.finding` names an aspect that is not a wrong member list.
+_ASPECT_HEADS = {
+    "local_rank": "local ranks differ",
+    "backend": "backend differs",
+    "proof": "failed its all-gather proof",
+    "unexpected": "exists although the framework raises",
+}
 
 
 def _count(ranks: Sequence[int]) -> str:

@@ -300,7 +300,8 @@ class ProcessBackend:
             stack, coll = stopped or (None, None)
             return RankOutcome(r.rank, status=status, stack=stack, collective=coll)
         if res["status"] != "ok":
-            fields = {k: res.get(k) for k in ("error_type", "error_message", "traceback")}
+            keys = ("error_type", "error_message", "traceback", "finding")
+            fields = {k: res.get(k) for k in keys}
             return RankOutcome(r.rank, status="error", collective=res.get("collective"), **fields)
         teardown = None
         if r.death is not None:

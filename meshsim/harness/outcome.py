@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import traceback as _tb
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -25,6 +25,9 @@ class RankOutcome:
     ``collective``: the collective the rank was in when it failed or was stopped. ``stack``:
     its Python stack when stopped. ``teardown``: how its process died after returning.
     ``output``: its last output when it died. ``pid``: its process (process tiers only).
+    ``finding``: the structured result behind the error where there is one (a
+    ``LayoutMismatch``'s ``MeshDiff``), so ranks that each saw part of one wrong layout (the
+    fake tier cannot gather) are reported as one.
     """
 
     rank: int
@@ -40,6 +43,7 @@ class RankOutcome:
     teardown: str | None = None
     output: str | None = None
     pid: int | None = None
+    finding: Any = field(default=None, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -129,11 +133,15 @@ def exception_fields(exc: BaseException) -> dict[str, Any]:
     """
     te = _tb.TracebackException.from_exception(exc)
     _trim(te)
-    return {
+    fields = {
         "error_type": type(exc).__qualname__,
         "error_message": str(exc),
         "traceback": "".join(te.format()),
     }
+    finding = getattr(exc, "diff", None)
+    if callable(getattr(finding, "combined", None)):  # a LayoutMismatch's MeshDiff
+        fields["finding"] = finding
+    return fields
 
 
 def trim_stack_text(text: str) -> str:
@@ -252,17 +260,46 @@ def body_name(fn: Any) -> str:
 def failure_error(
     outcomes: Sequence[RankOutcome], *, fn: Any, backend: str, world_size: int
 ) -> Exception | None:
-    """A ``RankFailure`` describing every rank that did not return, or ``None``."""
+    """A ``RankFailure`` describing every rank that did not return, or ``None``.
+
+    Its first line is the finding (pytest's short summary and a JUnit message show only that
+    line): the first distinct failure, then where it ran. ``tp groups differ: expected ...
+    (ranks 0-7); meshsim.run(test_tp, world_size=8, backend='fake'): 8 of 8 ranks failed``.
+    """
     from meshsim.errors import RankFailure
 
     failed = [o for o in outcomes if not o.ok]
     if not failed:
         return None
+    outcomes = combine_findings(outcomes)
+    ranks, first = merge_outcomes(outcomes)[0]
+    label = rank_label(ranks)
+    said = first.describe().splitlines()[0]
+    lead = f"{label} {said}" if first.status == "died" else f"{said} ({label})"
+    if first.finding is not None:  # the finding alone (it names its ranks), not the diff's head
+        lead = f"{first.error_type}: {first.finding.finding()}"
     header = (
-        f"meshsim.run({body_name(fn)}, world_size={world_size}, backend={backend!r}): "
+        f"{lead}; meshsim.run({body_name(fn)}, world_size={world_size}, backend={backend!r}): "
         f"{len(failed)} of {len(outcomes)} ranks failed"
     )
     return RankFailure(failure_message(header, outcomes), tuple(outcomes))
+
+
+def combine_findings(outcomes: Sequence[RankOutcome]) -> list[RankOutcome]:
+    """Ranks that each raised part of one layout mismatch, raising the whole of it.
+
+    A rank on the fake tier can only diff its own groups, so 8 ranks of one wrong mesh raise 8
+    different ``LayoutMismatch`` es; the other tiers gather first and raise one. Combined, the
+    report is the same on every tier: one block, every rank's mismatches in it.
+    """
+    parts = [o for o in outcomes if o.status == "error" and o.finding is not None]
+    if len(parts) < 2 or len({o.error_message for o in parts}) == 1:
+        return list(outcomes)
+    whole = parts[0].finding.combined([o.finding for o in parts])
+    text, merged = str(whole), {id(o) for o in parts}
+    return [
+        replace(o, error_message=text, finding=whole) if id(o) in merged else o for o in outcomes
+    ]
 
 
 def timeout_error(

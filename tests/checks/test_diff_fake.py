@@ -57,7 +57,8 @@ def test_transposed_mesh_is_reported_per_kind_with_ranks() -> None:
     found = diff(observed, expected)
     assert found is not None
     text = str(found)
-    assert text.startswith("2 of 2 kinds checked differ (dp, tp) on 8 ranks")
+    assert text.startswith("dp groups differ: expected [(0, 4), (1, 5), ... 2 more] observed ")
+    assert "; 2 of 2 kinds checked differ (dp, tp) on 8 ranks" in text.splitlines()[0]
     assert "tp: ranks 0, 2 hold (0, 2, 4, 6); expected (0, 1, 2, 3)" in text
     # one line per distinct (expected, observed) pair, not one per rank
     assert len(found.mismatches) < 16

@@ -32,7 +32,11 @@ def test_world_64_mismatch_is_summarised_once_per_kind() -> None:
     assert found is not None
     assert found.kinds() == ["dp", "tp"] and found.ranks_affected() == tuple(range(64))
     lines = found.lines()
-    assert lines[0].startswith("2 of 2 kinds checked differ (dp, tp) on 64 ranks")
+    assert lines[0].startswith(
+        "dp groups differ: expected [(0, 16, 32, 48), (1, 17, 33, 49), ... 14 more] observed "
+        "[(0, 1, 2, 3), (4, 5, 6, 7), ... 14 more] on ranks 0-63; "
+        "2 of 2 kinds checked differ (dp, tp) on 64 ranks"
+    )
     summaries = [line for line in lines if line.startswith("  dp: 64 ranks in the wrong group")]
     assert len(summaries) == 1
     assert "expected [(0, 16, 32, 48), (1, 17, 33, 49)" in summaries[0]
