@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from meshsim.dataflow import roles
+from meshsim.dataflow.evidence import MeshGroups, require_data_movement, wrong_mesh
 from meshsim.dataflow.records import BatchRecord, SampleId, Step
 from meshsim.errors import DataflowMismatch, UsageError
 from meshsim.model.expected import Expected
@@ -37,9 +38,14 @@ def assert_data_parallel(
     union is exactly that batch. ``context_chunks=True`` says the context-parallel peers hold
     different sequence chunks of the same samples (recorded with ``chunk=``) and checks it.
     """
-    by_rank = _by_rank(_gather(records), expected.world_size)
+    gathered = _gather(records)
+    by_rank = _by_rank(gathered, expected.world_size)
     problems = find_problems(
-        by_rank, expected, global_batches=global_batches, context_chunks=context_chunks
+        by_rank,
+        expected,
+        global_batches=global_batches,
+        context_chunks=context_chunks,
+        mesh_groups={r.rank: r.mesh_groups for r in gathered},
     )
     if problems:
         raise DataflowMismatch(problems, what="the batches the ranks loaded")
@@ -51,8 +57,12 @@ def find_problems(
     *,
     global_batches: Sequence[Iterable[SampleId]] | None = None,
     context_chunks: bool = False,
+    mesh_groups: MeshGroups | None = None,
 ) -> list[str]:
-    """Every broken rule, one line each, in step order (the first is the one to fix first)."""
+    """Every broken rule, one line each, in step order (the first is the one to fix first).
+
+    ``mesh_groups`` (rank -> the mesh groups it held) lets a hint blame a wrong mesh instead of
+    a loader that followed it."""
     counts = {r: len(steps) for r, steps in by_rank.items()}
     if len(set(counts.values())) > 1:
         most = max(counts.values())
@@ -77,13 +87,15 @@ def find_problems(
         replicas.setdefault(index[rank], []).append(rank)
     problems: list[str] = []
     reported: set[tuple[int, int]] = set()
+    mesh = wrong_mesh(mesh_groups or {}, expected)
     for step in range(steps):
         at = {r: by_rank[r][step] for r in by_rank}
-        for pair, problem in _replicas_agree(step, at, replicas, expected, context_chunks, by_rank):
+        found = _replicas_agree(step, at, replicas, expected, context_chunks, by_rank, mesh)
+        for pair, problem in found:
             if pair not in reported:  # a pair that differs once usually differs every step
                 reported.add(pair)
                 problems.append(problem)
-        problems += _shards_disjoint(step, at, expected, global_batches)
+        problems += _shards_disjoint(step, at, expected, global_batches, mesh)
     problems += _no_repeats(by_rank, replicas)
     return problems
 
@@ -97,6 +109,7 @@ def _gather(records: BatchRecord | Iterable[BatchRecord]) -> list[BatchRecord]:
                 "assert_data_parallel got one rank's record outside a run; pass the records of "
                 "every rank (what meshsim.run returned)"
             )
+        require_data_movement("assert_data_parallel(record, ...) inside a rank")
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, records)
         return gathered
@@ -137,6 +150,7 @@ def _replicas_agree(
     expected: Expected,
     context_chunks: bool,
     by_rank: dict[int, list[Step]],
+    mesh: str | None,
 ) -> list[tuple[tuple[int, int], str]]:
     """Ranks of one data-parallel rank: same samples; chunks per ``context_chunks``."""
     for dp_rank, ranks in replicas.items():
@@ -150,7 +164,7 @@ def _replicas_agree(
                     f"rank {dp_rank}) but loaded different samples: rank {first} "
                     f"{_ids(a.samples)}, rank {other} {_ids(b.samples)}"
                 )
-                why = _why_replicas(at, expected, first, other, by_rank)
+                why = mesh or _why_replicas(at, expected, first, other, by_rank)
                 return [((first, other), head + ". Likely mistake: " + why)]
         problem = _chunks_agree(step, at, ranks, expected, context_chunks)
         if problem:
@@ -239,13 +253,14 @@ def _shards_disjoint(
     at: dict[int, Step],
     expected: Expected,
     global_batches: Sequence[Iterable[SampleId]] | None,
+    mesh: str | None,
 ) -> list[str]:
     for group in roles.data_groups(expected):
         owner: dict[SampleId, int] = {}
         for rank in group:
             for sample in at[rank].samples:
                 if sample in owner and owner[sample] != rank:
-                    return [_overlap(step, at, group, owner[sample], rank)]
+                    return [_overlap(step, at, group, owner[sample], rank, mesh)]
                 owner[sample] = rank
         if global_batches is not None:
             wanted = set(global_batches[step])
@@ -260,12 +275,16 @@ def _shards_disjoint(
     return []
 
 
-def _overlap(step: int, at: dict[int, Step], group: tuple[int, ...], a: int, b: int) -> str:
+def _overlap(
+    step: int, at: dict[int, Step], group: tuple[int, ...], a: int, b: int, mesh: str | None
+) -> str:
     both = [s for s in at[a].samples if s in set(at[b].samples)]
     head = (
         f"step {step}: data-parallel ranks {a} and {b} (group {roles.ranks_list(group)}) both "
         f"loaded samples {_ids(both)}"
     )
+    if mesh:
+        return head + ". Likely mistake: " + mesh
     if all(at[r].samples == at[group[0]].samples for r in group):
         return head + (
             ". Likely mistake: the sampler was not split over the data-parallel group (every "

@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshsim.dataflow import roles
+from meshsim.dataflow.evidence import (
+    MeshGroups,
+    held_mesh_groups,
+    require_data_movement,
+    wrong_mesh,
+)
 from meshsim.errors import DataflowMismatch, UsageError
 from meshsim.model.expected import Expected
 
@@ -81,26 +87,39 @@ def assert_gradient_sync(model: Any, expected: Expected) -> None:
         raise UsageError(
             f"the run has {dist.get_world_size()} ranks, the reference {expected.world_size}"
         )
-    mine = fingerprints(model)
+    require_data_movement("assert_gradient_sync")
+    mine = (fingerprints(model), held_mesh_groups())
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    problems = find_problems(dict(enumerate(gathered)), expected)
+    prints = {rank: theirs for rank, (theirs, _) in enumerate(gathered)}
+    mesh_groups = {rank: held for rank, (_, held) in enumerate(gathered)}
+    problems = find_problems(prints, expected, mesh_groups=mesh_groups)
     if problems:
         raise DataflowMismatch(problems, what="the parameters and gradients after the step")
 
 
-def find_problems(by_rank: dict[int, list[ParamPrint]], expected: Expected) -> list[str]:
-    """Every gradient group whose members disagree, one line each, naming the likely mistake."""
+def find_problems(
+    by_rank: dict[int, list[ParamPrint]],
+    expected: Expected,
+    *,
+    mesh_groups: MeshGroups | None = None,
+) -> list[str]:
+    """Every gradient group whose members disagree, one line each, naming the likely mistake
+    (the mesh itself, when ``mesh_groups`` show a dim the reference has with other ranks)."""
     if not any(p.grad is not None for prints in by_rank.values() for p in prints):
         return ["no parameter has a gradient on any rank: call after loss.backward()"]
     problems: list[str] = []
+    mesh = wrong_mesh(mesh_groups or {}, expected)
     for group in roles.gradient_groups(expected):
-        problems += _group_problems(group, by_rank, expected)
+        problems += _group_problems(group, by_rank, expected, mesh)
     return problems
 
 
 def _group_problems(
-    group: tuple[int, ...], by_rank: dict[int, list[ParamPrint]], expected: Expected
+    group: tuple[int, ...],
+    by_rank: dict[int, list[ParamPrint]],
+    expected: Expected,
+    mesh: str | None,
 ) -> list[str]:
     first = group[0]
     names = [p.name for p in by_rank[first]]
@@ -118,12 +137,18 @@ def _group_problems(
             for rank in group:
                 classes.setdefault(getattr(by_rank[rank][index], field), []).append(rank)
             if len(classes) > 1:
-                return [_split_message(name, noun, group, list(classes.values()), expected)]
+                split = list(classes.values())
+                return [_split_message(name, noun, group, split, expected, mesh)]
     return []
 
 
 def _split_message(
-    name: str, noun: str, group: tuple[int, ...], classes: list[list[int]], expected: Expected
+    name: str,
+    noun: str,
+    group: tuple[int, ...],
+    classes: list[list[int]],
+    expected: Expected,
+    mesh: str | None,
 ) -> str:
     a, b = classes[0][0], classes[1][0]
     peers = _peers(expected, a, b)
@@ -133,7 +158,7 @@ def _split_message(
         f"({roles.ranks_list(group)}) but ended with different {noun}"
         + (f" ({agree})" if agree else "")
     )
-    return head + ". Likely mistake: " + _why(noun, group, classes, expected, peers)
+    return head + ". Likely mistake: " + (mesh or _why(noun, group, classes, expected, peers))
 
 
 def _peers(expected: Expected, a: int, b: int) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshsim.dataflow.evidence import held_mesh_groups
 from meshsim.errors import UsageError
 
 SampleId = Hashable
@@ -36,6 +37,9 @@ class BatchRecord:
 
     rank: int
     steps: list[Step] = field(default_factory=list)
+    #: The mesh groups the rank held when recorded (dim name -> member lists), the evidence
+    #: that lets a hint tell a wrong mesh from a wrong loader.
+    mesh_groups: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
     def add(self, batch: Any, *, chunk: Any = None, epoch: int = 0) -> BatchRecord:
         """Record one step: ``batch`` is sample ids or a tensor whose rows are the samples.
@@ -66,6 +70,7 @@ def record_batches(
     sequence chunk this rank holds and the epoch of the step.
     """
     record = BatchRecord(_this_rank() if rank is None else _check_rank(rank))
+    record.mesh_groups = held_mesh_groups()
     items = list(batches)
     for name, extra in (("chunks", chunks), ("epochs", epochs)):
         if extra is not None and len(extra) != len(items):
