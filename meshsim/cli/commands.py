@@ -42,7 +42,12 @@ def show(args: argparse.Namespace) -> int:
     rows = render.kind_rows(expected, args.gpus_per_node)
     if args.kinds:
         wanted = {expected.kind(k.strip()).name for k in args.kinds.split(",") if k.strip()}
-        rows = [r for r in rows if r.name in wanted]
+    elif args.all_kinds:
+        wanted = set(expected.kinds()) | set(expected.unavailable())
+    else:
+        wanted = set(expected.primary_kinds())
+    rows = [r for r in rows if r.name in wanted]
+    hidden = [n for n in (*expected.kinds(), *expected.unavailable()) if n not in wanted]
     out = render.console(stderr=args.json)
     if args.svg or args.png:
         from meshsim.cli import picture
@@ -56,6 +61,7 @@ def show(args: argparse.Namespace) -> int:
         footer = [
             f"unavailable {name}: {' '.join(str(err).split())}"
             for name, err in expected.unavailable().items()
+            if name in wanted
         ]
         page = picture.scene(
             title,
@@ -70,9 +76,8 @@ def show(args: argparse.Namespace) -> int:
                 write(page, path)
                 out.print(f"wrote {path} ({len(page.panels)} panels)")
     if args.json:
-        render.print_json(
-            {"verb": "show", "exit_code": 0, **render.show_json(expected, rows, args.gpus_per_node)}
-        )
+        report = render.show_json(expected, rows, args.gpus_per_node, wanted)
+        render.print_json({"verb": "show", "exit_code": 0, **report, "kinds_hidden": hidden})
         return 0
     render.show(
         out,
@@ -82,7 +87,13 @@ def show(args: argparse.Namespace) -> int:
         grid=not args.no_grid,
         columns=args.columns,
         gpus_per_node=args.gpus_per_node,
+        only=wanted,
     )
+    if hidden and not args.kinds:
+        out.print(
+            f"[dim]{len(hidden)} more kinds (each getter call and view dim, available or "
+            f"not): --all-kinds lists them, --kinds K,K picks some[/dim]"
+        )
     return 0
 
 

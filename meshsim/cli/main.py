@@ -17,7 +17,7 @@ VERBS = ("show", "diff", "verify", "sweep", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
-    | {"--dataflow"}
+    | {"--dataflow", "--all-kinds"}
 )
 
 EPILOG = """\
@@ -126,6 +126,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print JSON instead of tables")
     show.add_argument("--no-grid", action="store_true", help="table only, no rank grids")
     show.add_argument("--kinds", metavar="K,K", help="only these kinds (or roles), comma separated")
+    show.add_argument(
+        "--all-kinds",
+        action="store_true",
+        help="every kind (torchtitan: each getter call and view dim, not only its axes)",
+    )
     show.add_argument(
         "--columns",
         type=_positive("--columns"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,8 +132,10 @@ def show(
     grid: bool = True,
     columns: int | None = None,
     gpus_per_node: int | None = None,
+    only: Collection[str] | None = None,
 ) -> None:
-    """The show verb's table of kinds, unavailable kinds and the rank grids."""
+    """The show verb's table of kinds, unavailable kinds and the rank grids (of the kinds in
+    ``only``, when given: ``rows`` is already cut to them)."""
     budget = max(20, min(48, (out.width - 70) // 2))  # "first groups" text fits the terminal
     out.print(
         f"[bold]{expected.framework}[/bold] world_size={expected.world_size} "
@@ -166,7 +168,7 @@ def show(
             cells.append(f"[red]{row.crossing}/{len(row.groups)}[/red]" if row.crossing else "–")
         table.add_row(*cells)
     out.print(table)
-    unavailable = expected.unavailable()
+    unavailable = {n: e for n, e in expected.unavailable().items() if only is None or n in only}
     if unavailable:
         out.print("[bold]unavailable[/bold] (the framework raises when asked):")
         for name, error in unavailable.items():
@@ -288,9 +290,12 @@ def _jsonable(value: Any) -> Any:
 
 
 def show_json(
-    expected: Expected, rows: Iterable[KindRow], gpus_per_node: int | None = None
+    expected: Expected,
+    rows: Iterable[KindRow],
+    gpus_per_node: int | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    unavailable = expected.unavailable()
+    unavailable = {n: e for n, e in expected.unavailable().items() if only is None or n in only}
     return {
         "framework": expected.framework,
         "world_size": expected.world_size,

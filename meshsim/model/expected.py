@@ -139,7 +139,9 @@ class Expected:
         exp.kind_of("tensor") == "tp"
     """
 
-    __slots__ = ("_kinds", "_roles", "config", "framework", "layout", "meshes", "world_size")
+    __slots__ = (
+        "_kinds", "_primary", "_roles", "config", "framework", "layout", "meshes", "world_size",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -150,6 +152,7 @@ class Expected:
         roles: Mapping[str, str],
         layout: Layout | None = None,
         meshes: Mapping[str, Layout] | None = None,
+        primary: Iterable[str] | None = None,
     ) -> None:
         self.framework = framework
         self.world_size = world_size
@@ -166,11 +169,22 @@ class Expected:
         if missing:
             raise ValueError(f"roles map to unknown kinds: {missing}")
         self._roles = MappingProxyType(dict(roles))
+        #: The kinds users name first (torchtitan's axes, not its ~230 getter calls); None: all.
+        self._primary = None if primary is None else tuple(primary)
 
     # -- kinds ----------------------------------------------------------------------------
     def kinds(self) -> dict[str, str]:
         """Available kinds, each with a one-line description, in the framework's order."""
         return {n: k.description for n, k in self._kinds.items() if k.available}
+
+    def primary_kinds(self) -> list[str]:
+        """The kinds a summary shows first, available or not, in the framework's order: every
+        kind, except where a framework hands out far more (torchtitan: the world mesh, its
+        axes and the kinds that serve a role; not each getter call and view dim)."""
+        if self._primary is None:
+            return list(self._kinds)
+        wanted = set(self._primary) | set(self._roles.values())
+        return [name for name in self._kinds if name in wanted]
 
     def unavailable(self) -> dict[str, LayoutError]:
         """Kinds whose getter raises under this config, with the error the framework gives."""

@@ -58,6 +58,11 @@ DENSE_SPMD_AXES: Final[Mapping[str, tuple[str, ...]]] = {
     "partial_dtensor": ("dp_replicate", "fsdp", "tp"),
 }
 SPARSE_SPMD_AXES: Final = ("dp_replicate", "efsdp", "ep")
+#: The getters that hand out a whole view (not one axis or dim of it).
+VIEW_GETTERS: Final = (
+    "spmd_meshes()[0]", "spmd_meshes()[1]", "spmd_dense_mesh()", "spmd_sparse_mesh()",
+    "get_dense_tp_mesh()",
+)  # fmt: skip
 SPMD_AXES: Final = ("dp_replicate", "dp", "dp_shard", "fsdp", "cp", "tp", "efsdp", "ep")
 _NO_GROUPS: Final = Groups([])
 

@@ -106,6 +106,7 @@ def expect(world_size: int, **config: Any) -> Expected:
     reject_unknown("torchtitan", config, PARAMETERS)
     version, backend, raw, ulysses = _parse(config)
     normal: dict[str, Any] = {"version": version}
+    primary = None
     if version == "legacy":
         degrees = validate_dense(world_size, raw, with_etp=True)
         kinds, roles, layout = legacy(degrees)
@@ -120,6 +121,9 @@ def expect(world_size: int, **config: Any) -> Expected:
         degrees = views.degrees
         kinds = views.kinds()
         if version == "current":
+            # The world mesh, the axes and the view getters: the ~230 other getter calls and
+            # view dims stay behind ``show --all-kinds``.
+            primary = ["world_mesh", *views.single, *api.VIEW_GETTERS]
             kinds.update(api.api_kinds(views))
         roles = pick_roles(kinds, _ROLES)
         layout = views.global_meshes["dense"].root()
@@ -127,7 +131,9 @@ def expect(world_size: int, **config: Any) -> Expected:
     normal.update({k: v for k, v in asdict(degrees).items() if k != "world_size"})
     if version == "current":
         del normal["etp"]
-    return Expected("torchtitan", world_size, normal, kinds.values(), roles, layout=layout)
+    return Expected(
+        "torchtitan", world_size, normal, kinds.values(), roles, layout=layout, primary=primary
+    )
 
 
 def _parse(config: Mapping[str, Any]) -> tuple[str, str | None, dict[str, int], int | None]:
