@@ -32,6 +32,10 @@ class LayoutMismatch(MeshsimError, AssertionError):
         self.diff = diff
 
 
+class GroupsCrossNodes(MeshsimError, AssertionError):
+    """Groups that must stay inside a node span several (``meshsim.assert_within_nodes``)."""
+
+
 # --- harness errors (meshsim.harness.run) -------------------------------------------------
 
 

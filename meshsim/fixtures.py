@@ -65,13 +65,22 @@ def meshsim_expected(request: pytest.FixtureRequest) -> Expected:
             "(meshsim.fixtures.parametrize_layouts) or "
             "@pytest.mark.meshsim_layout(framework, **config)"
         )
+    from meshsim.errors import LayoutError
     from meshsim.model.conventions import expect
 
     config = dict(marker.kwargs)
     size = config.pop("world_size", None)
     if size is None:
         size = _case(request)[1]
-    return expect(marker.args[0], size, **config)
+    # A value may be a function of the item's world size, so one marker follows a parametrised
+    # world_size=[4, 8]: mesh_shape=lambda n: (2, n // 2).
+    config = {key: value(size) if callable(value) else value for key, value in config.items()}
+    try:
+        return expect(marker.args[0], size, **config)
+    except LayoutError as error:  # one line naming the cause, not the fixture's source
+        shown = ", ".join([repr(marker.args[0]), *(f"{k}={v!r}" for k, v in config.items())])
+        problem = f"meshsim_layout({shown}) at world_size={size}: {error}"
+    pytest.fail(problem, pytrace=False)
 
 
 def parametrize_layouts(
@@ -80,7 +89,8 @@ def parametrize_layouts(
     """``@parametrize_layouts(8, "megatron")``: one test item per valid layout, readable ids.
 
     The test takes a ``layout_case`` argument (a :class:`meshsim.LayoutCase`) and may use the
-    ``meshsim_expected`` fixture.
+    ``meshsim_expected`` fixture. ``options`` go to the convention's enumeration, e.g.
+    ``parametrize_layouts(8, "torch", mesh_dim_names=("dp", "tp"))`` for 2-D meshes only.
     """
     cases = layouts(world_size, framework, **options)
     return pytest.mark.parametrize("layout_case", cases, ids=[c.id for c in cases])

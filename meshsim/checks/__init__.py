@@ -1,6 +1,6 @@
 """Live checks: observe what ranks built, prove it by communication, diff it with the reference."""
 
-from meshsim.checks.assertions import assert_layout, gather
+from meshsim.checks.assertions import assert_layout, assert_within_nodes, gather
 from meshsim.checks.diff import MeshDiff, Mismatch, diff, format_ranks
 from meshsim.checks.observation import GroupView, Observation, ObservedLayout
 from meshsim.checks.snapshot import observe, observe_groups
@@ -12,6 +12,7 @@ __all__ = [
     "Observation",
     "ObservedLayout",
     "assert_layout",
+    "assert_within_nodes",
     "diff",
     "format_ranks",
     "gather",

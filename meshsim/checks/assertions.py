@@ -45,3 +45,52 @@ def assert_layout(
     if found is not None:
         raise LayoutMismatch(found)
     return observed
+
+
+def assert_within_nodes(
+    layout: Expected | Observation | Iterable[Observation] | ObservedLayout,
+    kinds: str | Iterable[str],
+    gpus_per_node: int,
+) -> None:
+    """Raise :class:`~meshsim.errors.GroupsCrossNodes` when a group of ``kinds`` spans nodes.
+
+    A node is ``rank // gpus_per_node``. ``layout`` is the reference (the plan: "tensor
+    parallelism stays inside a node") or what ranks observed (the live mesh: a list from
+    ``meshsim.run``, or one rank's Observation, gathered first, collectively). ``kinds`` takes
+    kind or role names (``"tensor"``).
+
+    Example: ``assert_within_nodes(meshsim.expect("megatron", 16, tensor_model_parallel_size=8,
+    order="tp-pp-dp"), "tensor", 8)`` passes; with ``gpus_per_node=4`` it names the groups.
+    """
+    from meshsim.errors import GroupsCrossNodes, UsageError
+    from meshsim.model.groups import format_groups
+
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise UsageError(f"gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
+    problems = []
+    for name in [kinds] if isinstance(kinds, str) else list(kinds):
+        groups = _groups_of(layout, name)
+        crossing = [g for g in groups if len({r // gpus_per_node for r in g}) > 1]
+        if crossing:
+            first = crossing[0]
+            nodes = sorted({r // gpus_per_node for r in first})
+            problems.append(
+                f"{name}: {len(crossing)} of {len(groups)} groups cross nodes of {gpus_per_node} "
+                f"GPUs, e.g. {first} spans nodes {', '.join(map(str, nodes))}; crossing: "
+                f"{format_groups(crossing, 4)}"
+            )
+    if problems:
+        raise GroupsCrossNodes("\n".join(problems))
+
+
+def _groups_of(layout: Any, name: str) -> list[tuple[int, ...]]:
+    """The groups of ``name`` in the reference, or as the ranks observed them."""
+    from meshsim.errors import UsageError
+
+    if isinstance(layout, Expected):
+        return [tuple(int(r) for r in g) for g in layout.groups(name)]
+    observed = gather(layout) if isinstance(layout, Observation) else ObservedLayout.of(layout)
+    found = sorted({o.groups[name].members for o in observed if name in o.groups})
+    if not found:
+        raise UsageError(f"no rank observed a group named {name!r}; observed: {observed.names()}")
+    return found

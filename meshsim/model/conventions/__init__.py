@@ -9,6 +9,7 @@ Each convention module provides:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType, ModuleType
@@ -66,9 +67,17 @@ def validate_world_size(world_size: int) -> None:
 def reject_unknown(
     framework: str, config: Mapping[str, Any], parameters: Mapping[str, str]
 ) -> None:
-    """Raise for config keys the framework does not take, listing the ones it does."""
+    """Raise for config keys the framework does not take: the closest key it does take for
+    each ("did you mean"), then all of them."""
     unknown = sorted(set(config) - set(parameters))
     if unknown:
+        guesses = [
+            f"{close[0]!r} for {key!r}"
+            for key in unknown
+            if (close := difflib.get_close_matches(key, list(parameters), n=1, cutoff=0.6))
+        ]
+        hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
         raise LayoutError(
-            f"{framework} takes no config key(s) {unknown}; its keys are: {', '.join(parameters)}"
+            f"{framework} takes no config key(s) {unknown}{hint}; its keys are: "
+            f"{', '.join(parameters)}"
         )
