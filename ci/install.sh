@@ -3,6 +3,7 @@
 # keeps pip from pulling the CUDA build and its GBs of nvidia packages), then the project.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source ci/python.sh
+PY=$PYTHON
 bash ci/install_torch.sh
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"

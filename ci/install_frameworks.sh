@@ -6,7 +6,8 @@
 # Usage: bash ci/install_frameworks.sh [olmo-core torchtitan megatron deepspeed]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source ci/python.sh
+PY=$PYTHON
 CONSTRAINTS="$PWD/ci/constraints-frameworks.txt"
 PIP=("$PY" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS")
 

@@ -5,5 +5,6 @@
 # `meshsim sweep` (e.g. --communicate 8, --junit-xml out.xml, --json out.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source ci/python.sh
 bash ci/install.sh
-exec meshsim sweep --world-size 8 --communicate 4 "$@"
+exec "$PYTHON" -m meshsim sweep --world-size 8 --communicate 4 "$@"

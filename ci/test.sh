@@ -6,8 +6,9 @@
 # Slow tests (full per-framework sweeps, ~6 min) are left out: run them with `-m slow`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source ci/python.sh
 bash ci/install.sh
 if ! bash ci/install_frameworks.sh; then
   echo "WARNING: installing the real frameworks failed; tests/real/ will skip" >&2
 fi
-exec "${PYTHON:-python3}" -m pytest -n 2 -q -m "not slow" "$@"
+exec "$PYTHON" -m pytest -n 2 -q -m "not slow" "$@"

@@ -60,15 +60,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_two_nodes(target: list[str], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
-    """Start one torchrun agent per node against one c10d rendezvous; wait for both."""
+def _launch_two_nodes(
+    target: list[str], cwd: Path, rendezvous: str = "c10d"
+) -> list[subprocess.CompletedProcess[str]]:
+    """Start one torchrun agent per node against one rendezvous; wait for both.
+
+    ``c10d`` (elastic) hands out node ranks in arrival order and ignores ``--node-rank``;
+    ``static`` (torchrun's default, with ``--master-addr``) keeps them, so global rank 0 is on
+    node 0, as the README's recipe says.
+    """
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
     }
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), COLUMNS="200")
-    endpoint = f"127.0.0.1:{_free_port()}"
+    port = _free_port()
+    meeting = (
+        [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=meshsim-two-nodes",
+            "--local-addr=127.0.0.1",
+        ]
+        if rendezvous == "c10d"
+        else ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    )
     agents = []
     for node in range(NODES):
         command = [
@@ -78,10 +95,7 @@ def _launch_two_nodes(target: list[str], cwd: Path) -> list[subprocess.Completed
             f"--nnodes={NODES}",
             f"--nproc-per-node={PROCS_PER_NODE}",
             f"--node-rank={node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}",
-            "--rdzv-id=meshsim-two-nodes",
-            "--local-addr=127.0.0.1",
+            *meeting,
             "--max-restarts=0",
             *target,
         ]
@@ -130,13 +144,15 @@ def test_run_on_two_torchrun_nodes_observes_every_ranks_groups(tmp_path: Path) -
             assert view["gathered"] == want, (v["rank"], dim, "all-gather across nodes")
 
 
-def test_verify_on_two_torchrun_nodes_prints_once(tmp_path: Path) -> None:
+def test_verify_on_two_torchrun_nodes_prints_once_on_node_0(tmp_path: Path) -> None:
+    """The README's recipe as written: static rendezvous, ``--node-rank`` kept, node 0 prints.
+    (With c10d rendezvous the printout landed on whichever agent joined first.)"""
     pytest.importorskip("torch.distributed.run")
     verify = ["-m", "meshsim", "verify", "megatron", "--tp", "2", "--backend", "gloo"]
-    results = _launch_two_nodes(verify, tmp_path)
+    results = _launch_two_nodes(verify, tmp_path, rendezvous="static")
 
     stdout = "".join(r.stdout for r in results)
     assert stdout.count("PASS") == 1, stdout
     assert f"megatron world_size={WORLD}" in stdout
     printing_nodes = [node for node, r in enumerate(results) if "PASS" in r.stdout]
-    assert len(printing_nodes) == 1
+    assert printing_nodes == [0]
