@@ -5,10 +5,14 @@
 * ``meshsim_expected``: the :class:`meshsim.Expected` of the layout a test is parametrized
   with (a :class:`meshsim.LayoutCase` parameter named ``layout_case``, see
   :func:`parametrize_layouts`) or marked with ``@pytest.mark.meshsim_layout(framework, **config)``.
+* :func:`distributed_fixture`: state built once on N ranks (a checkpoint written by 8 ranks, a
+  sharded dataset) and shared by several tests, as DeepSpeed's ``DistributedFixture``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -102,3 +106,76 @@ def meshsim_dataflow(request: pytest.FixtureRequest, meshsim_expected: Expected)
     from meshsim.dataflow.probe import DataflowProbe
 
     return DataflowProbe(meshsim_expected, _case(request)[0])
+
+
+class PerRank(tuple):  # type: ignore[type-arg]
+    """One value per rank, from a :func:`distributed_fixture`.
+
+    A plain tuple in the test itself (``state[3]`` is rank 3's); inside a
+    ``@pytest.mark.meshsim`` body each rank receives its own rank's value instead.
+    """
+
+    __slots__ = ()
+
+    def for_rank(self, rank: int, world_size: int) -> Any:
+        if len(self) != world_size:
+            raise pytest.UsageError(
+                f"a distributed_fixture built on {len(self)} ranks was passed to a body running "
+                f"on {world_size}; build it with world_size={world_size}"
+            )
+        return self[rank]
+
+
+def distributed_fixture(
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    scope: str = "module",
+    name: str | None = None,
+) -> Callable[[Callable[..., Any]], Any]:
+    """Turn a rank body into a fixture whose value is built once on ``world_size`` ranks.
+
+    The body runs through :func:`meshsim.run` the first time a test of ``scope`` asks for the
+    fixture; its per-rank return values are the fixture's value, a :class:`PerRank`. The body
+    may take ``rank`` and ``world_size``. Process groups do not outlive the run: return plain
+    data (paths, tensors, numbers).
+
+    Example::
+
+        @distributed_fixture(world_size=4)
+        def shards(rank, world_size, tmp_path_factory=None):
+            ...
+            return f"/tmp/ckpt/shard-{rank}.pt"
+
+        @pytest.mark.meshsim(world_size=4)
+        def test_load(rank, shards):  # each rank gets its own shard's path
+            ...
+    """
+
+    def decorate(body: Callable[..., Any]) -> Any:
+        @functools.wraps(body)
+        def on_rank() -> Any:
+            from meshsim.harness import context
+
+            here = context()
+            wanted = _parameters(body)
+            given = {"rank": here.rank, "world_size": here.world_size}
+            return body(**{k: v for k, v in given.items() if k in wanted})
+
+        def fixture() -> PerRank:
+            from meshsim.harness import run
+
+            return PerRank(run(on_rank, world_size, backend=backend, timeout=timeout))
+
+        fixture.__name__ = name or body.__name__
+        fixture.__doc__ = body.__doc__
+        return pytest.fixture(scope=scope, name=name or body.__name__)(fixture)
+
+    return decorate
+
+
+def _parameters(body: Callable[..., Any]) -> Sequence[str]:
+    import inspect
+
+    return list(inspect.signature(body).parameters)

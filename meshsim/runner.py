@@ -69,10 +69,16 @@ def _run_and_explain(
 
 def _on_rank(testfunction: Callable[..., Any], kwargs: dict[str, Any]) -> None:
     """The body each rank runs: the test function, with ``rank`` set to this rank."""
+    from meshsim.fixtures import PerRank
     from meshsim.harness import context
 
+    here = context()
     if "rank" in kwargs:
-        kwargs = {**kwargs, "rank": context().rank}
+        kwargs = {**kwargs, "rank": here.rank}
+    kwargs = {  # a distributed_fixture's values: each rank gets its own
+        k: v.for_rank(here.rank, here.world_size) if isinstance(v, PerRank) else v
+        for k, v in kwargs.items()
+    }
     testfunction(**kwargs)
 
 

@@ -82,3 +82,46 @@ def test_live_groups_that_cross_a_node_are_named() -> None:
         meshsim.assert_within_nodes(observed, "tp", 4)
     with pytest.raises(meshsim.UsageError, match="no rank observed a group named 'pp'"):
         meshsim.assert_within_nodes(observed, "pp", 4)
+
+
+def test_distributed_fixture_is_built_once_and_shared(pytester: pytest.Pytester) -> None:
+    """DeepSpeed's DistributedFixture: state built on N ranks once, used by several tests."""
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+        import torch
+        import torch.distributed as dist
+        from meshsim.fixtures import distributed_fixture
+
+        RUNS = os.path.join(os.path.dirname(__file__), "runs.txt")
+
+        @distributed_fixture(world_size=4, backend="gloo")
+        def shards(rank, world_size):
+            t = torch.tensor([rank + 1.0])
+            dist.all_reduce(t)  # a real collective while building
+            with open(RUNS, "a") as f:
+                f.write(f"{rank}\\n")
+            return {"rank": rank, "total": float(t)}
+
+        def test_in_the_parent(shards):
+            assert [s["rank"] for s in shards] == [0, 1, 2, 3]
+            assert {s["total"] for s in shards} == {10.0}
+
+        @pytest.mark.meshsim(world_size=4, backend="threaded")
+        def test_on_every_rank(rank, shards):
+            assert shards["rank"] == rank  # each rank gets its own
+
+        @pytest.mark.meshsim(world_size=2, backend="threaded")
+        def test_wrong_world(rank, shards):
+            pass
+
+        def test_built_once():
+            assert sorted(open(RUNS).read().split()) == ["0", "1", "2", "3"]
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, failed=1)
+    assert "a distributed_fixture built on 4 ranks was passed to a body running on 2" in (
+        result.stdout.str()
+    )
