@@ -64,12 +64,18 @@ def test_verify_real_without_the_framework_names_the_extra(tmp_path: Path) -> No
 
 def _wrong_observations(expected: meshsim.Expected) -> list[Observation]:
     """What ranks would see if tp groups were strided instead of consecutive."""
-    observations = []
-    for rank in range(expected.world_size):
-        members = tuple(r for r in range(expected.world_size) if r % 4 == rank % 4)
-        view = GroupView("tp", members, members.index(rank))
-        observations.append(Observation(rank, expected.world_size, "gloo", {"tp": view}))
-    return observations
+    world = expected.world_size
+    return _tp_observations(world, lambda rank: tuple(r for r in range(world) if r % 4 == rank % 4))
+
+
+def _tp_observations(world: int, tp_of: Any) -> list[Observation]:
+    """Each rank's Observation holding only its ``tp`` group, ``tp_of(rank)``, on gloo."""
+    out = []
+    for rank in range(world):
+        members = tuple(tp_of(rank))
+        view = GroupView("tp", members, members.index(rank), backends=("gloo",))
+        out.append(Observation(rank, world, "gloo", {"tp": view}))
+    return out
 
 
 def test_verify_mismatch_prints_the_diff_and_exits_1(
@@ -112,12 +118,7 @@ def test_kinds_no_rank_observed_are_reported_as_skipped_with_why() -> None:
 
 
 def _right_tp_only(expected: meshsim.Expected) -> list[Observation]:
-    out = []
-    for rank in range(expected.world_size):
-        members = expected.group_of(rank, "tp")
-        view = GroupView("tp", members, members.index(rank), backends=("gloo",))
-        out.append(Observation(rank, expected.world_size, "gloo", {"tp": view}))
-    return out
+    return _tp_observations(expected.world_size, lambda rank: expected.group_of(rank, "tp"))
 
 
 def test_verify_prints_skipped_kinds(
