@@ -173,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if args.real:
         args.frameworks = real_frameworks(args.frameworks, out)
     cases = collect_cases(args.world_size, args.frameworks, args.limit)
+    if args.real:
+        cases = real_cases(cases, out)
     if not cases:
         raise UsageError(f"no valid layouts for world size {args.world_size}")
     steps = plan(args, cases)
@@ -332,6 +334,25 @@ def verify_chunk(
     from meshsim.verify import verify_many
 
     return list(verify_many(cases, tier, timeout=timeout, real=real))
+
+
+def real_cases(cases: Sequence[LayoutCase], out: Any) -> list[LayoutCase]:
+    """The layouts the installed frameworks' own code can build; the others (lines of a
+    framework only the reference models) are counted on the console with the reason."""
+    from meshsim.builders.real import outside_adapter
+
+    kept: list[LayoutCase] = []
+    left: dict[tuple[str, str], int] = {}
+    for case in cases:
+        why = outside_adapter(case.framework, case.config)
+        if why is None:
+            kept.append(case)
+        else:
+            left[(case.framework, why)] = left.get((case.framework, why), 0) + 1
+    for (framework, why), count in left.items():
+        out.print(f"[yellow]sweep --real leaves out {count} {framework} layouts[/yellow]: ", end="")
+        out.print(why, markup=False)
+    return kept
 
 
 def real_frameworks(asked: Sequence[str] | None, out: Any) -> list[str]:

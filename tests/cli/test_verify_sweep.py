@@ -242,3 +242,23 @@ def test_verify_under_torchrun_runs_on_the_job_ranks_and_prints_once() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("PASS: 25 kinds checked") == 1  # rank 0 only
     assert "megatron world_size=2" in result.stdout
+
+
+def test_sweep_real_leaves_out_the_lines_only_the_reference_models() -> None:
+    """torchtitan's intermediate / legacy / hyper_parallel lines are not in the installed
+    package: ``sweep --real`` builds the current line's layouts and says what it left out."""
+    import io
+
+    from rich.console import Console
+
+    cases = meshsim.layouts(8, "torchtitan")
+    printed = io.StringIO()
+    kept = sweeping.real_cases(cases, Console(file=printed, width=400))
+    assert kept and {c.config.get("version", "current") for c in kept} == {"current"}
+    left = len(cases) - len(kept)
+    assert left > 0
+    text = printed.getvalue()
+    for version in ("intermediate", "legacy", "hyper_parallel"):
+        assert f"version={version!r} is modelled by meshsim's reference only" in text
+    counts = [int(line.split()[4]) for line in text.splitlines() if "leaves out" in line]
+    assert sum(counts) == left

@@ -108,6 +108,29 @@ def unavailable(framework: str) -> str | None:
     return None
 
 
+def outside_adapter(framework: str, config: Mapping[str, object]) -> str | None:
+    """Why the adapter cannot build ``config`` although the reference models it, or None.
+
+    The reference models older or forked lines of a framework that the installed package does
+    not contain (torchtitan's ``intermediate`` / ``legacy`` / ``hyper_parallel``); ``sweep
+    --real`` leaves those layouts out and says so, and the adapter refuses them with this text.
+    """
+    if framework == "torchtitan":
+        version = config.get("version", "current")
+        if version != "current":
+            return (
+                f"the real torchtitan adapter runs the installed torchtitan, whose ParallelDims "
+                f"is the 'current' multi-view convention; version={version!r} is modelled by "
+                "meshsim's reference only (use real=False)"
+            )
+        if config.get("etp", 1) != 1:
+            return (
+                f"torchtitan's current ParallelDims has no expert tensor parallel degree; got "
+                f"etp={config['etp']}"
+            )
+    return None
+
+
 def install_hint(framework: str) -> str:
     """How to get the real framework: ``pip install 'meshsim[olmo-core]'`` and the like."""
     if framework == "torch":

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from meshsim.builders import _torchtitan_api as titan_api
-from meshsim.builders.real import _shims
+from meshsim.builders.real import _shims, outside_adapter
 from meshsim.builders.real._adapter import check_keys, framework_refusals
 from meshsim.checks import Observation
 from meshsim.errors import UsageError
@@ -45,18 +45,9 @@ def parallel_dims(world_size: int, config: Mapping[str, Any]) -> Any:
     dims_module, config_module = _shims.load(
         "torchtitan.distributed.parallel_dims", "torchtitan.config.configs"
     )
-    version = config.get("version", "current")
-    if version != "current":
-        raise UsageError(
-            f"the real torchtitan adapter runs the installed torchtitan, whose ParallelDims is "
-            f"the 'current' multi-view convention; version={version!r} is modelled by meshsim's "
-            "reference only (use real=False)"
-        )
-    if config.get("etp", 1) != 1:
-        raise UsageError(
-            f"torchtitan's current ParallelDims has no expert tensor parallel degree; got "
-            f"etp={config['etp']}"
-        )
+    outside = outside_adapter("torchtitan", config)
+    if outside is not None:
+        raise UsageError(outside)
     kwargs = {field: config.get(key, default) for key, (field, default) in FIELDS.items()}
     if config.get("spmd_backend") is not None:
         kwargs["spmd_backend"] = config["spmd_backend"]
