@@ -15,7 +15,7 @@ import functools
 from typing import Any
 
 from meshsim import torch_private
-from meshsim.harness import recorder, rng
+from meshsim.harness import rank_env, recorder, rng
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.divergence import Comparison, RankSink
@@ -46,6 +46,7 @@ class FakeBackend:
             with (
                 isolated_world(job.timeout, what="backend='fake'", per_thread=False),
                 rng.caller_state_kept(),
+                rank_env.in_process_environments("fake"),
             ):
                 fast_path.install()
                 try:
@@ -94,7 +95,7 @@ def _run_rank(job: Job, rank: int, sink: RankSink) -> RankOutcome:
     recorder.set_sink(sink)
     watchdog = Watchdog(job.timeout)
     try:
-        with rank_context(ctx):
+        with rank_context(ctx), rank_env.rank_environment(rank, job.world_size):
             try:
                 with watchdog:
                     value = job.fn(*job.args, **job.kwargs)

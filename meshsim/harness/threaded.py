@@ -30,7 +30,7 @@ from typing import Any
 
 from meshsim import torch_private
 from meshsim.errors import MeshsimError
-from meshsim.harness import mailbox, recorder, rng
+from meshsim.harness import mailbox, rank_env, recorder, rng
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world
@@ -85,7 +85,11 @@ class _Rank:
         ctx = RankContext(rank=self.rank, world_size=job.world_size, backend="threaded")
         recorder.set_sink(self.sink)
         try:
-            with rank_context(ctx), rng.rank_streams(self.streams):
+            with (
+                rank_context(ctx),
+                rng.rank_streams(self.streams),
+                rank_env.rank_environment(self.rank, job.world_size),
+            ):
                 dist.init_process_group(
                     "threaded",
                     rank=self.rank,
@@ -245,7 +249,11 @@ class ThreadedBackend:
         survivors: tuple[int, ...] = ()
         timed_out = diverged = False
         try:
-            with isolated_world(job.timeout, what="backend='threaded'"), rng.threads_draw_apart():
+            with (
+                isolated_world(job.timeout, what="backend='threaded'"),
+                rng.threads_draw_apart(),
+                rank_env.in_process_environments("threaded"),
+            ):
                 plg.reset()
                 mailbox.reset()
                 run = _Run(job, plg, dist.HashStore())
