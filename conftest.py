@@ -1,6 +1,16 @@
 """Root conftest: pytester for the plugin's own tests (meshsim loads via its entry point)."""
 
+import contextlib
+
 pytest_plugins = ["pytester"]
+
+# pytester snapshots sys.modules around each test and drops what the test imported. A torch
+# first imported inside such a test (a body run in-process by the plugin's own tests) would be
+# dropped and imported again by a later test, which torch does not survive ("function
+# '_has_torch_function' already has a docstring"). Importing it here keeps the suite's verdicts
+# independent of test order.
+with contextlib.suppress(ImportError):  # every test that needs torch skips without it
+    import torch  # noqa: F401
 
 try:  # hypothesis is a test extra; without it the property tests skip themselves
     from hypothesis import settings

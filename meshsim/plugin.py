@@ -175,5 +175,11 @@ def pytest_assertrepr_compare(
 
         found = diff(left, right)
         if found is not None:
-            return ["observed layout differs from the reference", *found.lines()]
+            # pytest cuts an explanation at 8 lines / 640 characters (without -vv): the finding
+            # first, then one line per differing kind.
+            return [
+                f"observed layout differs from the reference: {found.finding()}",
+                *(f"  {found.kind_summary(kind)}" for kind in found.kinds()),
+                "  (meshsim.diff(observed, expected) lists every rank's mismatch)",
+            ]
     return None

@@ -27,3 +27,9 @@ needs_mesh_layout = pytest.mark.skipif(
     reason=f"{_FOUND}'s DeviceMesh has no _init_one_process_group/_MeshLayout (torch >= 2.10); "
     "the fake tier runs torch's own group creation there",
 )
+
+#: ``_flatten`` of a view holding a flattened dim (OLMo-core's HSDP gradient group; torch >= 2.10).
+needs_flatten_of_flattened = pytest.mark.skipif(
+    _before((2, 10)),
+    reason=f"{_FOUND} cannot _flatten a view holding a flattened dim (torch >= 2.10 can)",
+)

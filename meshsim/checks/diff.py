@@ -116,6 +116,10 @@ class MeshDiff:
         what = _ASPECT_HEADS.get(first.aspect, first.aspect)
         return f"{kind} {what} on {format_ranks(who)}: {first.detail}"
 
+    def kind_summary(self, kind: str) -> str:
+        """One line for ``kind``: ranks in the wrong group, expected vs observed groups."""
+        return self._kind_lines(kind, 4)[0]
+
     def _kind_lines(self, kind: str, limit: int) -> list[str]:
         found = [m for m in self.mismatches if m.kind == kind]
         if len(found) == 1:

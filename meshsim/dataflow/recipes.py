@@ -20,6 +20,7 @@ from typing import Any
 
 from meshsim import torch_private
 from meshsim.errors import DataflowMismatch, RankFailure, RankTimeout, UsageError
+from meshsim.model import torch_release
 
 #: The right wiring, then the three classic mistakes.
 WIRINGS = (
@@ -145,6 +146,13 @@ def unsupported(framework: str, config: Mapping[str, Any], backend: str) -> str 
             f"{name}'s DDP over a tensor-parallel model cannot run on torch 2.13: "
             "DistributedDataParallel broadcasts DTensor parameters with c10d.broadcast_, which "
             "has no DTensor sharding strategy (NotImplementedError)"
+        )
+    release = torch_release.installed()
+    if framework == "olmo-core" and _hsdp(framework, config) and release and release < (2, 10):
+        return (
+            f"OLMo-core's HSDP gradient group is a _flatten of (dp_replicate, dp_shard_cp), "
+            f"whose dp_shard_cp is already flattened: torch {release[0]}.{release[1]} refuses "
+            "that (ValueError; torch >= 2.10 accepts it)"
         )
     return None
 

@@ -19,6 +19,7 @@ from meshsim.cli import sweep as sweeping
 from meshsim.cli.main import main
 from meshsim.model.sweep import LayoutCase
 from tests.cli.helpers import ROOT, assert_bad_input, json_of, run_cli
+from tests.releases import needs_unflatten
 
 verify_module = pytest.importorskip("meshsim.verify", reason="meshsim.verify not built yet")
 VerifyResult = verify_module.VerifyResult
@@ -244,6 +245,7 @@ def test_verify_under_torchrun_runs_on_the_job_ranks_and_prints_once() -> None:
     assert "megatron world_size=2" in result.stdout
 
 
+@needs_unflatten
 def test_sweep_real_leaves_out_the_lines_only_the_reference_models() -> None:
     """torchtitan's intermediate / legacy / hyper_parallel lines are not in the installed
     package: ``sweep --real`` builds the current line's layouts and says what it left out."""

@@ -11,7 +11,7 @@ import pytest
 import meshsim
 from meshsim import UsageError
 from meshsim.dataflow.recipes import check_dataflow
-from tests.releases import needs_unflatten
+from tests.releases import needs_flatten_of_flattened, needs_unflatten
 
 LAYOUTS = {
     "olmo-core": {"dp": "fsdp", "cp": 2, "tp": 2},
@@ -66,6 +66,7 @@ def test_the_fake_tier_cannot_move_data() -> None:
         check_dataflow("olmo-core", 8, "fake", **LAYOUTS["olmo-core"])
 
 
+@needs_flatten_of_flattened
 def test_hsdp_runs_on_threaded_as_on_gloo() -> None:
     """Once refused ("not exact on threaded"); each threaded rank now draws from its own
     generator, and the HSDP step is exact there too."""
