@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -144,8 +145,8 @@ def distributed_fixture(
     Example::
 
         @distributed_fixture(world_size=4)
-        def shards(rank, world_size, tmp_path_factory=None):
-            ...
+        def shards(rank, world_size):
+            ...  # write this rank's shard
             return f"/tmp/ckpt/shard-{rank}.pt"
 
         @pytest.mark.meshsim(world_size=4)
@@ -154,28 +155,22 @@ def distributed_fixture(
     """
 
     def decorate(body: Callable[..., Any]) -> Any:
+        wanted = set(inspect.signature(body).parameters) & {"rank", "world_size"}
+
         @functools.wraps(body)
         def on_rank() -> Any:
             from meshsim.harness import context
 
             here = context()
-            wanted = _parameters(body)
             given = {"rank": here.rank, "world_size": here.world_size}
-            return body(**{k: v for k, v in given.items() if k in wanted})
+            return body(**{k: given[k] for k in wanted})
 
         def fixture() -> PerRank:
             from meshsim.harness import run
 
             return PerRank(run(on_rank, world_size, backend=backend, timeout=timeout))
 
-        fixture.__name__ = name or body.__name__
         fixture.__doc__ = body.__doc__
         return pytest.fixture(scope=scope, name=name or body.__name__)(fixture)
 
     return decorate
-
-
-def _parameters(body: Callable[..., Any]) -> Sequence[str]:
-    import inspect
-
-    return list(inspect.signature(body).parameters)

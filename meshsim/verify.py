@@ -284,7 +284,7 @@ def _judge(
             f"{reference}), but the builder built it"
         )
     observed = ObservedLayout.of(observations)
-    known = [*reference.kinds(), *reference.unavailable()]
+    known = dict.fromkeys([*reference.kinds(), *reference.unavailable()])  # ordered, O(1) in
     checked = tuple(name for name in observed.names() if name in known)
     if not checked:
         return done(error=f"the builder observed no kind the reference knows: {observed.names()}")

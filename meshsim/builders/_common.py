@@ -11,15 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshsim import torch_private
-from meshsim.checks import GroupView, Observation
-from meshsim.checks.snapshot import (
-    disagreements,
-    held_groups,
-    is_rank_list,
-    mesh_backends,
-    observe_held,
-    rank_list_view,
-)
+from meshsim.checks import GroupView, Observation, observe_groups
+from meshsim.checks.snapshot import disagreements, mesh_backends
 
 # OLMo-core and legacy torchtitan slice flattened names from the root mesh, which torch 2.11+
 # warns "will be deprecated"; the builders replay that on purpose, once per getter per rank.
@@ -126,35 +119,26 @@ def collect(entries: Mapping[str, Entry]) -> Observation:
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = str(dist.get_backend())
     prove = backend != "fake"
-    absent: list[str] = []
-    meshes: dict[str, DeviceMesh] = {}
-    groups: dict[str, ProcessGroup | None] = {}
-    lists: dict[str, tuple[int, ...]] = {}
-    for name, entry in entries.items():
-        if entry is None or isinstance(entry, BaseException):
-            absent.append(name)
-        elif is_rank_list(entry):
-            lists[name] = tuple(entry)
-        elif isinstance(entry, DeviceMesh) and entry.ndim != 1:
-            meshes[name] = entry
-        elif isinstance(entry, DeviceMesh):
-            groups[name] = entry.get_group()
-        else:
-            groups[name] = entry
-    # Every rank's claims first (one collective over the world): a group its members disagree
-    # on is reported, not proven, since a collective over it would never complete.
-    held = held_groups(groups)
+    meshes = {n: e for n, e in entries.items() if isinstance(e, DeviceMesh) and e.ndim != 1}
+    # The members of an n-D sub-mesh check each other's claims as process groups' do (inside
+    # observe_groups): a group they disagree on is reported, not proven, as a collective over
+    # it would never complete. Every rank makes both checks, so the store rounds pair up.
     claims = {n: tuple(int(r) for r in m.mesh.flatten().tolist()) for n, m in meshes.items()}
-    claims |= {n: tuple(dist.get_process_group_ranks(g)) for n, g in held.items()}
     disagree = disagreements(claims) if prove else {}
     views = {n: _mesh_view(n, m, rank, prove, disagree.get(n)) for n, m in meshes.items()}
-    # Each agreed group is proven with a collective; every rank walks the names in the same
-    # order, so those collectives cannot deadlock.
-    observed = observe_held(groups, held, prove, disagree)
-    views.update(observed.groups)
-    views.update({n: rank_list_view(n, ranks) for n, ranks in lists.items()})
+    others = {n: _group_of(e) for n, e in entries.items() if n not in meshes}
+    views.update(observe_groups(others, prove=prove).groups)
     ordered = {name: views[name] for name in entries if name in views}  # the builder's order
-    return Observation(rank, world, backend, ordered, absent=(*absent, *observed.absent))
+    absent = tuple(name for name in entries if name not in views)
+    return Observation(rank, world, backend, ordered, absent=absent)
+
+
+def _group_of(entry: Entry) -> Any:
+    """What :func:`observe_groups` takes for a builder's entry: a 1-D mesh's process group, a
+    group or rank list as it is, None for an exception or no group (recorded absent)."""
+    if entry is None or isinstance(entry, BaseException):
+        return None
+    return entry.get_group() if isinstance(entry, DeviceMesh) else entry
 
 
 def _mesh_view(

@@ -115,7 +115,7 @@ def observe(named: dict[str, Entry]) -> Observation:
     meshes = {n: e for n, e in named.items() if isinstance(e, DeviceMesh)}
     absent = [n for n in named if n not in meshes]
     claims = {n: tuple(int(r) for r in m.mesh.flatten().tolist()) for n, m in meshes.items()}
-    disagree = disagreements(claims)  # one world collective first: inconsistent views never hang
+    disagree = disagreements(claims)  # claims compared first: inconsistent views never hang
     for name, entry in meshes.items():
         members = claims[name]
         agreed = name not in disagree

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
@@ -208,52 +207,41 @@ def observe_groups(
     """
     dist = _dist()
     prove = prove and _can_communicate(dist)
-    lists = {n: g for n, g in groups.items() if is_rank_list(g)}
-    process_groups = {n: g for n, g in groups.items() if n not in lists}
-    held = held_groups(process_groups)
+    held = {
+        name: group
+        for name, group in groups.items()
+        if group is not None and not _is_rank_list(group) and dist.get_rank(group) >= 0
+    }
     claims = {name: tuple(dist.get_process_group_ranks(g)) for name, g in held.items()}
-    observed = observe_held(process_groups, held, prove, disagreements(claims) if prove else {})
-    views = {**observed.groups, **{n: rank_list_view(n, r) for n, r in lists.items()}}
-    ordered = {name: views[name] for name in groups if name in views}
-    return replace(observed, groups=ordered)
+    disagree = disagreements(claims) if prove else {}
+    # Each agreed group is proven with a collective; every rank walks the names in the same
+    # order, so those collectives cannot deadlock.
+    views: dict[str, GroupView] = {}
+    for name, group in groups.items():
+        if name in held:
+            views[name] = _view(dist, name, held[name], None, prove, disagree.get(name))
+        elif _is_rank_list(group):
+            views[name] = _rank_list_view(name, group)  # type: ignore[arg-type]
+    return Observation(
+        rank=int(dist.get_rank()),
+        world_size=int(dist.get_world_size()),
+        backend=str(dist.get_backend()),
+        groups=views,
+        absent=tuple(name for name in groups if name not in views),
+    )
 
 
-def is_rank_list(entry: object) -> bool:
+def _is_rank_list(entry: object) -> bool:
     """True for a plain list/tuple of ranks (not a process group, not a DeviceMesh)."""
     return isinstance(entry, (list, tuple)) and all(
         isinstance(r, Integral) and not isinstance(r, bool) for r in entry
     )
 
 
-def rank_list_view(name: str, ranks: Sequence[int]) -> GroupView:
+def _rank_list_view(name: str, ranks: Sequence[int]) -> GroupView:
     """A rank list this rank was handed, as a GroupView: never proven, no backend."""
     members = tuple(int(r) for r in ranks)
     me = int(_dist().get_rank())
     return GroupView(
         name=name, members=members, local_rank=members.index(me) if me in members else -1
-    )
-
-
-def held_groups(groups: Mapping[str, ProcessGroup | None]) -> dict[str, ProcessGroup]:
-    """The groups this rank is in (None, or a handle to a group it is not in, are absent)."""
-    dist = _dist()
-    return {n: g for n, g in groups.items() if g is not None and dist.get_rank(g) >= 0}
-
-
-def observe_held(
-    groups: Mapping[str, ProcessGroup | None],
-    held: Mapping[str, ProcessGroup],
-    prove: bool,
-    disagree: Mapping[str, str],
-) -> Observation:
-    """The Observation of ``groups``, proving each held group its members agree on."""
-    dist = _dist()
-    views = {n: _view(dist, n, g, None, prove, disagree.get(n)) for n, g in held.items()}
-    absent = [name for name in groups if name not in held]
-    return Observation(
-        rank=int(dist.get_rank()),
-        world_size=int(dist.get_world_size()),
-        backend=str(dist.get_backend()),
-        groups=views,
-        absent=tuple(absent),
     )

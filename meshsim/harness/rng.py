@@ -63,11 +63,12 @@ RANDOM_FUNCTIONS = (
     "gammavariate", "gauss", "betavariate", "paretovariate", "weibullvariate", "getstate",
     "setstate", "getrandbits", "randbytes", "binomialvariate",
 )  # fmt: skip
-#: ``numpy.random`` module functions bound to its legacy global ``RandomState``.
+#: ``numpy.random`` module functions bound to its legacy global ``RandomState`` (each a
+#: ``RandomState`` method of the same name).
 NUMPY_FUNCTIONS = (
     "seed", "get_state", "set_state", "rand", "randn", "randint", "random", "random_sample",
-    "ranf", "sample", "choice", "shuffle", "permutation", "normal", "uniform", "standard_normal",
-    "binomial", "poisson", "exponential", "beta", "gamma", "bytes", "integers",
+    "choice", "shuffle", "permutation", "normal", "uniform", "standard_normal", "binomial",
+    "poisson", "exponential", "beta", "gamma", "bytes",
 )  # fmt: skip
 
 #: One rank's torch state is swapped into the global generator at a time.
@@ -148,12 +149,13 @@ def _rank_streams() -> RankStreams | None:
     return getattr(_current, "streams", None)
 
 
-def _torch_mode() -> Any:
+@functools.cache
+def _rank_draws() -> type:
+    """The torch function mode that runs a rank's random torch calls on its own state (a class
+    made once: it needs torch, which this module does not import at import time)."""
     from torch.overrides import TorchFunctionMode
 
     class RankDraws(TorchFunctionMode):
-        """Runs the rank's random torch calls on the rank's own generator state."""
-
         def __init__(self, streams: RankStreams) -> None:
             super().__init__()
             self.streams = streams
@@ -174,34 +176,32 @@ def rank_streams(streams: RankStreams) -> Iterator[None]:
     """Inside a threaded rank's thread: its draws and seeds use ``streams``."""
     _current.streams = streams
     try:
-        with _torch_mode()(streams):
+        with _rank_draws()(streams):
             yield
     finally:
         _current.streams = None
 
 
-def _dispatch(name: str, original: Callable, own: Callable[[RankStreams], Callable]) -> Callable:
-    def per_rank(*args: Any, **kwargs: Any) -> Any:
+def _per_rank(original: Callable, on_rank: Callable[..., Any]) -> Callable:
+    """``original`` for any thread but a rank's; ``on_rank(streams, *args)`` for a rank's."""
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
         streams = _rank_streams()
         if streams is None:  # not a rank thread: the process's own generator
             return original(*args, **kwargs)
-        return own(streams)(*args, **kwargs)
+        return on_rank(streams, *args, **kwargs)
 
-    per_rank.__name__ = name
-    per_rank.__doc__ = original.__doc__
-    per_rank.__wrapped__ = original  # type: ignore[attr-defined]
-    return per_rank
+    return call
 
 
-def _torch_function(original: Callable) -> Callable[[RankStreams], Callable]:
-    def bound(streams: RankStreams) -> Callable:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with streams.swapped_in():
-                return original(*args, **kwargs)
+def _swapped(original: Callable, streams: RankStreams, *args: Any, **kwargs: Any) -> Any:
+    with streams.swapped_in():
+        return original(*args, **kwargs)
 
-        return call
 
-    return bound
+def _own(generator: str, name: str, streams: RankStreams, *args: Any, **kwargs: Any) -> Any:
+    return getattr(getattr(streams, generator), name)(*args, **kwargs)
 
 
 @contextmanager
@@ -214,17 +214,14 @@ def threads_draw_apart() -> Iterator[None]:
     for module in (torch, torch.random):
         for name in TORCH_STATE_FUNCTIONS:
             original = getattr(module, name)
-            patches.append((module, name, _dispatch(name, original, _torch_function(original))))
-    for name in RANDOM_FUNCTIONS:
-        if hasattr(random, name):
-            own = (lambda n: lambda s: getattr(s.random, n))(name)
-            patches.append((random, name, _dispatch(name, getattr(random, name), own)))
-    for name in NUMPY_FUNCTIONS:
-        if hasattr(numpy.random, name) and hasattr(numpy.random.RandomState, name):
-            own = (lambda n: lambda s: getattr(s.numpy, n))(name)
-            patches.append((numpy.random, name, _dispatch(name, getattr(numpy.random, name), own)))
+            patches.append((module, name, functools.partial(_swapped, original)))
+    patches += [(random, n, functools.partial(_own, "random", n)) for n in RANDOM_FUNCTIONS]
+    patches += [(numpy.random, n, functools.partial(_own, "numpy", n)) for n in NUMPY_FUNCTIONS]
     with ExitStack() as undo:
-        for module, name, replacement in patches:
-            undo.callback(setattr, module, name, getattr(module, name))
-            setattr(module, name, replacement)
+        for module, name, on_rank in patches:
+            if not hasattr(module, name):  # a function this Python or numpy lacks
+                continue
+            original = getattr(module, name)
+            undo.callback(setattr, module, name, original)
+            setattr(module, name, _per_rank(original, on_rank))
         yield
