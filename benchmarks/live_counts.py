@@ -1,8 +1,9 @@
 """Live counts for the closing note: for every config ``meshsim.layouts(N, fw)`` lists, build it
 with the real framework on gloo, diff every kind, and reproduce the listed rejections.
 
-Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework; also
-``olmo-core`` and ``megatron``, whose refusals are ``megatron.refused_configs(N)``). A fourth
+Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework; any
+framework with a real adapter; refusals are the convention's ``refused_configs(N)``, OLMo-core's
+the adapter test's list). A fourth
 argument keeps only the layouts whose id contains it: ``megatron 16 gloo hyper_comm_grid``.
 ``--shard I/N`` runs every N-th layout and refusal from the I-th, to spread a run over cores.
 Prints one JSON line: layouts, kinds compared, kinds equal, rejections tried / reproduced, time.
@@ -19,19 +20,18 @@ from typing import Any
 from _common import take_shard  # also puts this checkout first on sys.path (tests.real)
 
 import meshsim
+from meshsim.builders.real import REAL_BUILDERS
 from meshsim.checks import ObservedLayout, diff
 from meshsim.errors import LayoutError
 
 
 def _refusals(framework: str, world: int) -> list[dict[str, Any]]:
-    if framework == "deepspeed":
-        from meshsim.model.conventions._deepspeed_configs import refused_configs
+    """The convention's own ``refused_configs(N)`` where it has one; OLMo-core's test list."""
+    from meshsim.model.conventions import convention
 
-        return list(refused_configs(world))
-    if framework == "megatron":
-        from meshsim.model.conventions.megatron import refused_configs as megatron_refused
-
-        return list(megatron_refused(world))
+    listed = getattr(convention(framework), "refused_configs", None)
+    if listed is not None:
+        return list(listed(world))
     from tests.real.test_olmo_core import REFUSED_4
 
     keep = []
@@ -109,7 +109,7 @@ def main(
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("framework", choices=["deepspeed", "megatron", "olmo-core"])
+    parser.add_argument("framework", choices=sorted(REAL_BUILDERS))
     parser.add_argument("world", type=int)
     parser.add_argument("backend", nargs="?", default="gloo")
     parser.add_argument("match", nargs="?", default="", help="keep layouts whose id contains it")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MeshsimError(Exception):
     """Base class of all meshsim errors."""
@@ -37,6 +39,17 @@ class GroupsCrossNodes(MeshsimError, AssertionError):
 
 
 # --- harness errors (meshsim.harness.run) -------------------------------------------------
+
+
+class MeshesDisagree(MeshsimError, AssertionError):
+    """Meshes of one job disagree where they overlap (``meshsim.assert_meshes_agree``).
+
+    ``disagreements`` lists each finding: the rank, both meshes and what differs.
+    """
+
+    def __init__(self, message: str, disagreements: list[Any]) -> None:
+        super().__init__(message)
+        self.disagreements = disagreements
 
 
 class RankFailure(MeshsimError, AssertionError):

@@ -37,6 +37,14 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     return collect(entries)
 
 
+def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
+    """The meshes OLMo builds, named as the reference names them (``meshsim meshes``)."""
+    built = {"main": build_world_mesh(world_size, config)}
+    if config.get("expert_mesh_ep") is not None:
+        built["expert"] = build_expert_parallel_mesh(world_size, config["expert_mesh_ep"])
+    return built
+
+
 def build_world_mesh(world_size: int, config: Mapping[str, Any]) -> DeviceMesh:
     """OLMo's ``build_world_mesh``: validate in OLMo's order, build, create the DP group."""
     dp = config.get("dp")

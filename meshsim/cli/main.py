@@ -13,11 +13,11 @@ from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
 from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
 
-VERBS = ("show", "diff", "verify", "sweep", "list")
+VERBS = ("show", "diff", "verify", "sweep", "meshes", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
-    | {"--dataflow", "--all-kinds"}
+    | {"--dataflow", "--all-kinds", "--independent"}
 )
 
 EPILOG = """\
@@ -86,6 +86,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     words = _positionals(argv)
     verb = words[0] if words else None
     frameworks = {"diff": words[1:3], "show": words[1:2], "verify": words[1:2]}.get(verb, [])
+    if verb == "meshes":
+        frameworks = words[1:2]
     for name in frameworks:
         cf.check_framework(cf.split_spec(name)[0] if verb == "diff" else name)
 
@@ -284,6 +286,20 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         metavar="N",
         help="only the first N layouts of each framework",
     )
+
+    from meshsim.cli import agreement
+
+    meshes = sub(
+        "meshes",
+        "check that the meshes one config builds (a dense and an expert mesh, a trainer's "
+        "hand-off) agree where they overlap: data ranks, names, communicators",
+        agreement.run,
+    )
+    meshes.add_argument("framework", metavar="FRAMEWORK", help=f"one of: {known}")
+    _world(meshes)
+    agreement.add_arguments(meshes)
+    if verb == "meshes" and frameworks:
+        cf.add_config_flags(meshes, frameworks)
 
     listing = sub(
         "list",
