@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the four real frameworks behind meshsim[olmo-core|torchtitan|megatron|deepspeed] so
-# tests/real/ runs their own group-construction code, timing each install.
+# Installs the real frameworks behind meshsim[olmo-core|torchtitan|megatron|deepspeed|accelerate|
+# transformers|lightning] so tests/real/ runs their own group-construction code, timing each.
 # Run after ci/install.sh (torch 2.13.0 CPU must already be installed): every install is
 # constrained by ci/constraints-frameworks.txt so no framework pulls another torch.
 # Usage: bash ci/install_frameworks.sh [olmo-core torchtitan megatron deepspeed]
@@ -28,7 +28,11 @@ install() {
             "${PIP[@]}" "${DEEPSPEED_BUILD_DEPS[@]}"
             DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "deepspeed==0.19.8"
             ;;
-        *) echo "unknown framework: $name (olmo-core, torchtitan, megatron, deepspeed)" >&2
+        accelerate) "${PIP[@]}" "accelerate==1.15.0" ;;
+        transformers) "${PIP[@]}" "transformers==5.23.0" "accelerate==1.15.0" ;;
+        lightning) "${PIP[@]}" "lightning==2.6.6" ;;
+        *) echo "unknown framework: $name (olmo-core, torchtitan, megatron, deepspeed," \
+                "accelerate, transformers, lightning)" >&2
            return 2 ;;
     esac
     printf 'installed %-11s in %4ds\n' "$name" $((SECONDS - start))
@@ -36,7 +40,9 @@ install() {
 
 total=$SECONDS
 frameworks=("$@")
-[ ${#frameworks[@]} -eq 0 ] && frameworks=(olmo-core torchtitan megatron deepspeed)
+[ ${#frameworks[@]} -eq 0 ] && frameworks=(
+    olmo-core torchtitan megatron deepspeed accelerate transformers lightning
+)
 for framework in "${frameworks[@]}"; do
     install "$framework"
 done
@@ -44,7 +50,8 @@ printf 'installed %d framework(s) in %ds\n' ${#frameworks[@]} $((SECONDS - total
 "$PY" - <<'PY'
 import importlib.metadata as md
 
-for dist in ("torch", "ai2-olmo-core", "torchtitan", "megatron-core", "deepspeed"):
+for dist in ("torch", "ai2-olmo-core", "torchtitan", "megatron-core", "deepspeed", "accelerate",
+             "transformers", "lightning"):
     try:
         print(f"  {dist}=={md.version(dist)}")
     except md.PackageNotFoundError:

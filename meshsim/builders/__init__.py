@@ -35,6 +35,14 @@ BUILDERS: Final[Mapping[str, str]] = MappingProxyType(
         "megatron": "meshsim.builders.megatron",
         "megatron-deepspeed": "meshsim.builders.megatron_deepspeed",
         "deepspeed": "meshsim.builders.deepspeed",
+        "deepspeed-autoep": "meshsim.builders.deepspeed_autoep",
+        "accelerate": "meshsim.builders.accelerate",
+        "transformers": "meshsim.builders.transformers",
+        "lightning": "meshsim.builders.lightning",
+        "verl": "meshsim.builders.verl",
+        "areal": "meshsim.builders.areal",
+        "areal-fsdp": "meshsim.builders.areal_fsdp",
+        "areal-archon": "meshsim.builders.areal_archon",
     }
 )
 

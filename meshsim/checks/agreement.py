@@ -235,18 +235,33 @@ def _communicators(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Di
         return found
     for name_a, dim_a in a.dims.items():
         for name_b, dim_b in b.dims.items():
-            shared = dim_a.communicator is not None and dim_a.communicator == dim_b.communicator
-            if shared and len(dim_a.members) > 1:
+            if len(dim_a.members) < 2 or dim_a.communicator is None:
+                continue
+            subject = f"{a.name}:{name_a} = {b.name}:{name_b}"
+            if dim_a.communicator == dim_b.communicator:
                 found.append(
                     Disagreement(
                         rank,
                         (a.name, b.name),
                         "shared communicator",
-                        subject=f"{a.name}:{name_a} = {b.name}:{name_b}",
+                        subject=subject,
                         detail=f"{a.name}:{name_a} and {b.name}:{name_b} are one process group "
                         f"over {dim_a.members}: two models' collectives on it interleave and hang "
-                        "(torch hands a 1-D mesh over the whole world the default group; build "
-                        "one model's group with new_group)",
+                        "(torch hands any mesh dim spanning the whole world the default group, "
+                        "named or not; give one model its own group with new_group)",
+                    )
+                )
+            elif name_a == name_b and dim_a.members == dim_b.members:
+                found.append(
+                    Disagreement(
+                        rank,
+                        (a.name, b.name),
+                        "equal sub-meshes",
+                        subject=subject,
+                        detail=f"{a.name}[{name_a!r}] and {b.name}[{name_b!r}] compare and hash "
+                        f"equal as DeviceMeshes over {dim_a.members} on different process "
+                        "groups, so DTensor's sharding-propagation cache hands one model's "
+                        "entries (and group) to the other; name the dims apart",
                     )
                 )
     return found

@@ -251,6 +251,9 @@ def verify(args: argparse.Namespace) -> int:
                 "verb": "verify",
                 "exit_code": 0 if passed else 1,
                 **result_json(result),
+                # Defaults filled in, so a defaulted key that picks a line (megatron-deepspeed's
+                # variant, torchtitan's version) is named too.
+                "config_normalized": dict(expected.config),
                 "wall_seconds": wall,
             }
             if flow is not None:

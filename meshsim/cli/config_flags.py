@@ -27,14 +27,22 @@ DEGREES: Final[Mapping[str, str]] = {
 #: Shared degree -> each framework's parameter for it (the first candidate the framework's
 #: PARAMETERS holds wins; frameworks without one infer it or do not have the axis).
 TRANSLATION: Final[Mapping[str, tuple[str, ...]]] = {
-    "tp": ("tensor_model_parallel_size", "tp", "tensor_parallel_size", "mp", "num_mp"),
-    "pp": ("pipeline_model_parallel_size", "pp", "pipeline_parallel_size", "num_pp"),
-    "cp": ("context_parallel_size", "cp", "sequence_parallel_size", "sp"),
+    "tp": (
+        "tensor_model_parallel_size",
+        "tp",
+        "tensor_parallel_size",
+        "mp",
+        "num_mp",
+        "num_tp",
+        "tp_size",
+    ),
+    "pp": ("pipeline_model_parallel_size", "pp", "pipeline_parallel_size", "num_pp", "pp_size"),
+    "cp": ("context_parallel_size", "cp", "sequence_parallel_size", "sp", "cp_size"),
     "dp": ("data_parallel_size", "num_dp"),
-    "dp_replicate": ("dp_replicate", "num_replicas"),
-    "dp_shard": ("dp_shard", "shard_degree"),
-    "ep": ("expert_model_parallel_size", "ep", "expert_parallel_size"),
-    "etp": ("expert_tensor_parallel_size", "etp"),
+    "dp_replicate": ("dp_replicate", "num_replicas", "dp_replicate_size"),
+    "dp_shard": ("dp_shard", "shard_degree", "dp_shard_size", "fsdp_size"),
+    "ep": ("expert_model_parallel_size", "ep", "expert_parallel_size", "ep_size"),
+    "etp": ("expert_tensor_parallel_size", "etp", "etp_size"),
 }
 
 #: Config keys whose every flag occurrence is one list item (never split at commas).

@@ -176,6 +176,12 @@ MEGATRON_DEEPSPEED: list[Case] = [
         {"pipeline_model_parallel_size": 4, "pipeline_model_parallel_split_rank": -1},
     ),
     ("megatron-deepspeed", 4, {}),
+    ("megatron-deepspeed", 8, {"sequence_parallel_size": 2, "use_distributed_optimizer": True}),
+    (
+        "megatron-deepspeed",
+        8,
+        {"variant": "habana-2024", "sequence_parallel_size": 2, "use_distributed_optimizer": True},
+    ),
 ]
 
 DEEPSPEED: list[Case] = [
@@ -259,6 +265,8 @@ REJECTED: list[Case] = [
         8,
         {"pipeline_model_parallel_size": 4, "pipeline_model_parallel_split_rank": 4},
     ),
+    ("megatron-deepspeed", 8, {"tensor_model_parallel_size": 0}),  # ZeroDivisionError
+    ("megatron-deepspeed", 8, {"variant": "habana-2024", "sequence_parallel_size": -1}),
     ("deepspeed", 8, {"num_pp": 2, "num_mp": 2, "num_dp": 4}),
     ("deepspeed", 8, {"num_pp": 2, "num_mp": 2, "ep": 3}),
     ("deepspeed", 8, {"num_pp": 2, "num_mp": 2, "ep": 4, "enable_expert_tensor_parallelism": True}),

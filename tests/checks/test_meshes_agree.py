@@ -107,6 +107,23 @@ def _two_models_own_groups() -> list[str]:
     ]
 
 
+def _two_models_same_name_own_groups() -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    policy = DeviceMesh.from_group(dist.new_group([0, 1, 2, 3]), "cpu", mesh_dim_names=("tp",))
+    reference = DeviceMesh.from_group(dist.new_group([0, 1, 2, 3]), "cpu", mesh_dim_names=("tp",))
+    assert policy == reference and policy.get_group() is not reference.get_group()
+    found = meshsim.check_meshes({"policy": policy, "ref": reference}, independent=True)
+    return [d.aspect for d in found]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_models_whose_meshes_compare_equal(backend: str) -> None:
+    per_rank = list(meshsim.run(_two_models_same_name_own_groups, 4, backend=backend))
+    assert per_rank == [["equal meshes", "equal sub-meshes"]] * 4
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_agreeing_live_meshes_pass(backend: str) -> None:
     assert list(meshsim.run(_agreeing_meshes, 4, backend=backend)) == [[]] * 4

@@ -94,6 +94,74 @@ def test_ulysses_sequence_parallel() -> None:
     assert exp.groups("amax") == Groups([(0, 1), (2, 3), (4, 5), (6, 7)])
 
 
+def test_issue_example_world8_sp2_rank0() -> None:
+    """The data-parallel group of rank 0 in world 8 with sp 2, as each line's getter returns it."""
+    upstream = expect(8, sequence_parallel_size=2)
+    assert upstream.config["variant"] == "upstream"  # the default
+    assert upstream.group_of(0, "dp") == (0, 2, 4, 6)
+    assert "get_data_parallel_group()" in upstream.kind("dp").description
+    assert upstream.group_of(0, "seq_dp") == tuple(range(8))
+    assert upstream.kind("seq_dp").description.startswith("get_sequence_data_parallel_group()")
+    habana = expect(8, sequence_parallel_size=2, variant="habana-2024")
+    assert habana.group_of(0, "seq_dp") == tuple(range(8))
+    assert "get_data_parallel_group()" in habana.kind("seq_dp").description
+    assert "get_data_parallel_group()" not in habana.kind("dp").description.split(":")[0]
+    assert habana.group_of(0, "dp") == (0, 2, 4, 6)  # built, but no getter returns it
+
+
+def test_getters_named_per_variant() -> None:
+    config = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "use_fp8": True,
+              "use_distributed_optimizer": True}  # fmt: skip
+    upstream = expect(8, **config)
+    getters = {
+        "dp": "get_data_parallel_group()",
+        "dp:gloo": "get_data_parallel_group_gloo()",
+        "sp": "get_sequence_parallel_group()",
+        "seq_dp": "get_sequence_data_parallel_group()",
+        "mp": "get_model_parallel_group()",
+        "tp": "get_tensor_model_parallel_group()",
+        "pp": "get_pipeline_model_parallel_group()",
+        "embedding": "get_embedding_group()",
+        "position_embedding": "get_position_embedding_group()",
+        "amax": "get_amax_reduction_group()",
+    }
+    assert list(upstream.kinds()) == list(getters)  # in the order upstream creates them
+    for kind, getter in getters.items():
+        assert upstream.kind(kind).description.startswith(getter), kind
+    habana = expect(8, **config, variant="habana-2024")
+    assert list(habana.kinds()) == list(getters)
+    for kind in ("dp:gloo", "tp", "pp", "embedding", "position_embedding", "amax"):
+        assert "no getter" in habana.kind(kind).description, kind
+    for kind in ("sp", "seq_dp", "mp"):
+        assert habana.kind(kind).description.startswith(getters[kind]), kind
+    # Same groups, kind by kind: the lines differ in getters and roles only.
+    for kind in getters:
+        assert habana.groups(kind) == upstream.groups(kind), kind
+
+
+@pytest.mark.parametrize("variant", ["upstream", "habana-2024"])
+def test_gloo_twins(variant: str) -> None:
+    exp = expect(8, tensor_model_parallel_size=2, use_distributed_optimizer=True, variant=variant)
+    twin = exp.kind("dp:gloo")
+    assert twin.backends == ("gloo",)
+    assert exp.kind("dp").backends == ()
+    assert twin.groups() == Groups([(0, 2, 4, 6), (1, 3, 5, 7)]) == exp.groups("dp")
+    # With Ulysses SP the twin stays the dp group without SP, in both lines (in the Habana
+    # line, unlike the group get_data_parallel_group() returns).
+    ulysses = expect(8, sequence_parallel_size=4, use_distributed_optimizer=True, variant=variant)
+    assert ulysses.groups("dp:gloo") == Groups([(0, 4), (1, 5), (2, 6), (3, 7)])
+
+
+def test_gloo_twin_not_made() -> None:
+    upstream = expect(8, tensor_model_parallel_size=2)
+    assert "dp:gloo" not in upstream.kinds()
+    error = upstream.unavailable()["dp:gloo"]
+    assert error.upstream == "AssertionError"
+    assert "get_data_parallel_group_gloo() asserts" in str(error)
+    habana = expect(8, tensor_model_parallel_size=2, variant="habana-2024")
+    assert "dp:gloo" not in habana.kinds() and "dp:gloo" not in habana.unavailable()
+
+
 def test_fp8_amax_groups() -> None:
     exp = expect(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, use_fp8=True)
     assert exp.groups("amax") == Groups([tuple(range(8)), tuple(range(8, 16))])
@@ -123,18 +191,22 @@ def test_embedding_partition_flags() -> None:
     assert three.groups("embedding").is_partition_of(6)
 
 
-def test_roles() -> None:
-    exp = expect(8, sequence_parallel_size=2)
-    assert dict(exp.roles) == {
+def test_roles_per_variant() -> None:
+    upstream = expect(8, sequence_parallel_size=2)
+    assert dict(upstream.roles) == {
         "data_parallel": "dp",
         "gradient_reduce": "seq_dp",
         "tensor": "tp",
         "context": "sp",
         "pipeline": "pp",
         "embedding": "embedding",
-        "loss": "seq_dp",
+        "loss": "dp",  # average_losses_across_data_parallel_group: get_data_parallel_group()
     }
-    assert exp.groups("gradient_reduce") == Groups([tuple(range(8))])
+    assert upstream.groups("gradient_reduce") == Groups([tuple(range(8))])
+    assert upstream.groups("loss") == Groups([(0, 2, 4, 6), (1, 3, 5, 7)])
+    habana = expect(8, sequence_parallel_size=2, variant="habana-2024")
+    assert dict(habana.roles) == {**upstream.roles, "loss": "seq_dp"}
+    assert habana.groups("loss") == Groups([tuple(range(8))])
 
 
 @pytest.mark.parametrize(
@@ -183,11 +255,46 @@ def test_roles() -> None:
             "IndexError",
             "split_rank=-5",
         ),
+        # 0 and negative degrees: what upstream's own arithmetic does with them.
+        (8, {"tensor_model_parallel_size": 0}, "ZeroDivisionError", r"world_size % 0"),
+        (8, {"pipeline_model_parallel_size": 0}, "ZeroDivisionError", "is 0"),
+        (8, {"sequence_parallel_size": 0}, "ZeroDivisionError", r"8 // \(1 × 1 × 0\)"),
+        (8, {"tensor_model_parallel_size": -3}, "RuntimeError", "not divisible"),
+        (8, {"tensor_model_parallel_size": -1}, "AssertionError", r"get_data_parallel_group\(\)"),
+        (8, {"pipeline_model_parallel_size": -2}, "AssertionError", "tp=1, pp=-2"),
+        (8, {"sequence_parallel_size": -1}, "AssertionError", r"get_sequence_parallel_group\(\)"),
+        (
+            8,
+            {"tensor_model_parallel_size": -2, "pipeline_model_parallel_size": -2},
+            "TypeError",
+            r"new_group\(\[\]\)",
+        ),
+        (
+            8,
+            {"tensor_model_parallel_size": -1, "sequence_parallel_size": -16},
+            "ZeroDivisionError",
+            "is 0",
+        ),
+        # The model-parallel loop (new_group([])) runs before the pipelines are indexed.
+        (
+            8,
+            {
+                "tensor_model_parallel_size": -1,
+                "pipeline_model_parallel_size": 2,
+                "sequence_parallel_size": -1,
+                "pipeline_model_parallel_split_rank": 5,
+            },
+            "TypeError",
+            "new_group",
+        ),
     ],
 )
-def test_errors(world: int, config: dict[str, Any], upstream: str, message: str) -> None:
+@pytest.mark.parametrize("variant", ["upstream", "habana-2024"])
+def test_errors(
+    world: int, config: dict[str, Any], upstream: str, message: str, variant: str
+) -> None:
     with pytest.raises(LayoutError, match=message) as info:
-        expect(world, **config)
+        expect(world, **config, variant=variant)
     assert info.value.upstream == upstream
 
 
@@ -195,14 +302,16 @@ def test_errors(world: int, config: dict[str, Any], upstream: str, message: str)
     ("config", "message"),
     [
         ({"context_parallel_size": 2}, "takes no config key"),
-        ({"tensor_model_parallel_size": 0}, "integer >= 1, got 0"),
-        ({"sequence_parallel_size": "2"}, "integer >= 1"),
+        ({"sequence_parallel_size": "2"}, "must be an integer, got '2'"),
+        ({"tensor_model_parallel_size": True}, "must be an integer, got True"),
         ({"pipeline_model_parallel_split_rank": 1.0}, "must be an integer"),
+        ({"variant": "habana"}, "unknown megatron-deepspeed variant 'habana'"),
     ],
 )
 def test_meshsim_config_errors(config: dict[str, Any], message: str) -> None:
-    with pytest.raises(LayoutError, match=message):
+    with pytest.raises(LayoutError, match=message) as info:
         expect(8, **config)
+    assert info.value.upstream is None  # meshsim's own check, not the framework's
 
 
 def test_virtual_pipeline_needs_more_than_two_stages() -> None:
@@ -217,16 +326,20 @@ def test_virtual_pipeline_needs_more_than_two_stages() -> None:
 @given(split_world())
 def test_groups_equal_the_seed_loops(case: tuple[int, int, int, int]) -> None:
     world, tp, pp, sp = case
-    exp = expect(
-        world,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        sequence_parallel_size=sp,
-        use_fp8=True,
-    )
-    for kind, groups in loops(world, tp, pp, sp).items():
-        assert exp.groups(kind) == Groups(groups), kind
-        assert exp.groups(kind).is_partition_of(world), kind
+    for variant in ("upstream", "habana-2024"):
+        exp = expect(
+            world,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            sequence_parallel_size=sp,
+            use_fp8=True,
+            use_distributed_optimizer=True,
+            variant=variant,
+        )
+        for kind, groups in loops(world, tp, pp, sp).items():
+            assert exp.groups(kind) == Groups(groups), kind
+            assert exp.groups(kind).is_partition_of(world), kind
+        assert exp.groups("dp:gloo") == exp.groups("dp")
 
 
 def test_equals_megatron_tp_dp_pp_for_every_world_up_to_64() -> None:
@@ -252,9 +365,36 @@ def test_equals_megatron_tp_dp_pp_for_every_world_up_to_64() -> None:
 
 def test_configs() -> None:
     cases = list(megatron_deepspeed.configs(8))
-    assert len(cases) == 10 + 3  # tp × pp × dp factorizations, then sp in 2, 4, 8
+    # per variant: tp × pp × dp factorizations (10), then sp in 2, 4, 8
+    assert len(cases) == 2 * (10 + 3)
+    assert [c["variant"] for c in cases] == ["upstream"] * 13 + ["habana-2024"] * 13
     for case in cases:
-        assert "amax" in expect(8, **case).kinds()
-    assert all(not c["use_fp8"] for c in megatron_deepspeed.configs(8, use_fp8=False))
+        exp = expect(8, **case)
+        assert {"amax", "dp:gloo"} <= set(exp.kinds())
+    plain = list(megatron_deepspeed.configs(8, use_fp8=False, use_distributed_optimizer=False))
+    assert all(not c["use_fp8"] and not c["use_distributed_optimizer"] for c in plain)
+    assert len(list(megatron_deepspeed.configs(8, variant="habana-2024"))) == 13
     ids = [case.id for case in meshsim.layouts(4, "megatron-deepspeed")]
-    assert "megatron-deepspeed-4-sp=4-use_fp8=True" in ids
+    assert any("variant=habana-2024" in i and "sp=4" in i for i in ids), ids
+
+
+def test_refused_configs_raise_the_upstream_type() -> None:
+    seen = []
+    for config in megatron_deepspeed.refused_configs(8):
+        with pytest.raises(LayoutError) as info:
+            expect(8, **config)
+        seen.append(info.value.upstream)
+    per_variant = ["ZeroDivisionError", "ZeroDivisionError", "RuntimeError", "RuntimeError",
+                   "AssertionError", "AssertionError", "AssertionError", "RuntimeError",
+                   "IndexError"]  # fmt: skip
+    assert seen == per_variant * 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 6, 8, 12])
+def test_refused_configs_are_refused_and_never_swept(world: int) -> None:
+    refused = list(megatron_deepspeed.refused_configs(world))
+    assert refused
+    for config in refused:
+        with pytest.raises(LayoutError):
+            expect(world, **config)
+    assert not [c for c in megatron_deepspeed.configs(world) if c in refused]

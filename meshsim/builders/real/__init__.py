@@ -22,6 +22,13 @@ REAL_BUILDERS: Final[Mapping[str, str]] = MappingProxyType(
         "torchtitan": "meshsim.builders.real.torchtitan",
         "megatron": "meshsim.builders.real.megatron",
         "deepspeed": "meshsim.builders.real.deepspeed",
+        "deepspeed-autoep": "meshsim.builders.real.deepspeed_autoep",
+        "accelerate": "meshsim.builders.real.accelerate",
+        "transformers": "meshsim.builders.real.transformers",
+        "lightning": "meshsim.builders.real.lightning",
+        "verl": "meshsim.builders.real.verl",
+        "areal-fsdp": "meshsim.builders.real.areal_fsdp",
+        "areal-archon": "meshsim.builders.real.areal_archon",
     }
 )
 # megatron-deepspeed has no adapter: its code is not on the package index (issue 21 models its
@@ -35,6 +42,13 @@ EXTRAS: Final[Mapping[str, str]] = MappingProxyType(
         "megatron": "megatron",
         "megatron-deepspeed": "deepspeed",
         "deepspeed": "deepspeed",
+        "deepspeed-autoep": "deepspeed",
+        "accelerate": "accelerate",
+        "transformers": "transformers",
+        "lightning": "lightning",
+        "verl": "verl",
+        "areal-fsdp": "areal",
+        "areal-archon": "areal",
     }
 )
 
@@ -47,6 +61,13 @@ REQUIRES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
         "megatron": ("megatron",),
         "megatron-deepspeed": ("megatron", "deepspeed"),
         "deepspeed": ("deepspeed",),
+        "deepspeed-autoep": ("deepspeed",),
+        "accelerate": ("accelerate",),
+        "transformers": ("transformers", "accelerate"),
+        "lightning": ("lightning",),
+        "verl": ("verl",),
+        "areal-fsdp": ("areal",),
+        "areal-archon": ("areal",),
     }
 )
 
@@ -55,7 +76,12 @@ REQUIRES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
 #: ai2-olmo-core pins torch (3.0.0: torch>=2.10,<2.14); torchtitan 0.3.0, megatron-core 0.16.1
 #: and deepspeed 0.19.8 install on every release meshsim supports, 2.15 included.
 TORCH_RANGES: Final[Mapping[str, tuple[str, tuple[int, int], tuple[int, int]]]] = MappingProxyType(
-    {"olmo-core": ("ai2-olmo-core 3.0.0", (2, 10), (2, 14))}
+    {
+        "olmo-core": ("ai2-olmo-core 3.0.0", (2, 10), (2, 14)),
+        # areal 1.0.4 declares torch>=2.9.1,<2.11: the torch 2.10 environment runs it.
+        "areal-fsdp": ("areal 1.0.4", (2, 9), (2, 11)),
+        "areal-archon": ("areal 1.0.4", (2, 9), (2, 11)),
+    }
 )
 
 

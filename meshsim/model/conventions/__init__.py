@@ -27,6 +27,14 @@ CONVENTIONS: Final[Mapping[str, str]] = MappingProxyType(
         "megatron": "meshsim.model.conventions.megatron",
         "megatron-deepspeed": "meshsim.model.conventions.megatron_deepspeed",
         "deepspeed": "meshsim.model.conventions.deepspeed",
+        "deepspeed-autoep": "meshsim.model.conventions.deepspeed_autoep",
+        "accelerate": "meshsim.model.conventions.accelerate",
+        "transformers": "meshsim.model.conventions.transformers",
+        "lightning": "meshsim.model.conventions.lightning",
+        "verl": "meshsim.model.conventions.verl",
+        "areal": "meshsim.model.conventions.areal",
+        "areal-fsdp": "meshsim.model.conventions.areal_fsdp",
+        "areal-archon": "meshsim.model.conventions.areal_archon",
     }
 )
 

@@ -1,12 +1,21 @@
 """Megatron-DeepSpeed (legacy ``parallel_state.initialize_model_parallel`` with Ulysses SP).
 
+``variant`` picks the line of ``megatron/core/parallel_state.py`` modelled. Both lines build the
+same groups; they differ in what the getters hand out:
+
+* ``"upstream"`` (default): microsoft/Megatron-DeepSpeed, also HabanaAI's current branches.
+  ``get_data_parallel_group()`` is the dp group *without* SP, ``get_sequence_data_parallel_group()``
+  the sp × dp group, and tp / pp / embedding / amax / gloo-dp have getters of their own.
+* ``"habana-2024"``: the 2024 Habana Labs fork. ``get_data_parallel_group()`` returns the sp × dp
+  group; the tp / pp / embedding / amax / gloo-dp groups are module globals with no getter.
+
 Ranks are laid out as Megatron order ``tp-sp-dp-pp``: row-major ``(pp, dp, sp, tp)``, where
 DeepSpeed-Ulysses sequence parallelism (sp > 1) requires tp = pp = 1. Kinds:
 
-* ``dp`` (``_DATA_PARALLEL_GROUP``, strided by tp or sp), ``tp``, ``pp``, ``mp`` (tp × pp);
-* ``sp`` (contiguous blocks of sp) and ``seq_dp`` (sp × dp: the gradient-reduction / ZeRO group;
-  it aliases ``dp`` when sp = 1). Note that this file's ``get_data_parallel_group()`` returns
-  the ``seq_dp`` group;
+* ``dp`` (``_DATA_PARALLEL_GROUP``, strided by tp or sp) and, with
+  ``use_distributed_optimizer``, its gloo twin ``dp:gloo``; ``tp``, ``pp``, ``mp`` (tp × pp);
+* ``sp`` (contiguous blocks of sp) and ``seq_dp`` (sp × dp: DeepSpeed's gradient-reduction /
+  ZeRO group; the dp group itself when sp = 1);
 * ``embedding`` / ``position_embedding`` from each pp group (with the encoder/decoder split rank);
 * ``amax`` (contiguous blocks of tp × dp) when ``use_fp8``.
 
@@ -27,46 +36,153 @@ from meshsim.model.groups import Groups
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import divisors, ordered_factorizations
 
+VARIANTS: Final = ("upstream", "habana-2024")
+
 PARAMETERS: Final[Mapping[str, str]] = {
+    "variant": "'upstream' (default: microsoft/Megatron-DeepSpeed) or 'habana-2024' (the 2024 "
+    "Habana fork, whose get_data_parallel_group() is the SP × DP group)",
     "tensor_model_parallel_size": "tensor-parallel degree (default 1)",
     "pipeline_model_parallel_size": "pipeline-parallel degree (default 1)",
     "sequence_parallel_size": "DeepSpeed-Ulysses sequence-parallel degree (needs tp = pp = 1)",
     "virtual_pipeline_model_parallel_size": "interleaved-schedule stages per rank (needs pp > 2)",
     "pipeline_model_parallel_split_rank": "first decoder stage of an encoder-decoder pipeline",
     "use_fp8": "also build the FP8 amax-reduction groups (default False)",
-    "use_distributed_optimizer": "also build gloo DP groups (same ranks; default False)",
+    "use_distributed_optimizer": "also build a gloo twin of each dp group (default False)",
 }
 
-#: Roles: ``seq_dp`` reduces gradients and is where the loss is averaged, as Megatron's dp-cp.
-ROLES: Final[Mapping[str, str]] = {
-    "data_parallel": "dp",
-    "gradient_reduce": "seq_dp",
-    "tensor": "tp",
-    "context": "sp",
-    "pipeline": "pp",
-    "embedding": "embedding",
-    "loss": "seq_dp",
+#: Roles per variant. Both feed DeepSpeed ``get_sequence_data_parallel_group()`` (seq_dp) for
+#: gradients and ZeRO; the logged loss is averaged over ``get_data_parallel_group()``, which is
+#: dp upstream and seq_dp in the Habana 2024 line.
+ROLES: Final[Mapping[str, Mapping[str, str]]] = {
+    "upstream": {
+        "data_parallel": "dp",
+        "gradient_reduce": "seq_dp",
+        "tensor": "tp",
+        "context": "sp",
+        "pipeline": "pp",
+        "embedding": "embedding",
+        "loss": "dp",
+    },
+    "habana-2024": {
+        "data_parallel": "dp",
+        "gradient_reduce": "seq_dp",
+        "tensor": "tp",
+        "context": "sp",
+        "pipeline": "pp",
+        "embedding": "embedding",
+        "loss": "seq_dp",
+    },
+}
+
+#: kind -> what hands it out, per variant (the getter, or the module global it stays in).
+DESCRIPTIONS: Final[Mapping[str, Mapping[str, str]]] = {
+    "upstream": {
+        "dp": "get_data_parallel_group(): data-parallel ranks, without SP",
+        "dp:gloo": "get_data_parallel_group_gloo(): the ranks of dp, a gloo group of its own",
+        "sp": "get_sequence_parallel_group(): Ulysses SP",
+        "seq_dp": "get_sequence_data_parallel_group(): SP × DP, DeepSpeed's gradient/ZeRO group",
+        "mp": "get_model_parallel_group(): tensor × pipeline",
+        "tp": "get_tensor_model_parallel_group()",
+        "pp": "get_pipeline_model_parallel_group()",
+        "embedding": "get_embedding_group(): ranks tying input embedding and output layer",
+        "position_embedding": "get_position_embedding_group(): ranks holding position embeddings",
+        "amax": "get_amax_reduction_group(): FP8 amax over tensor × data parallel ranks",
+    },
+    "habana-2024": {
+        "dp": "_DATA_PARALLEL_GROUP: data-parallel ranks without SP (no getter: "
+        "get_data_parallel_group() returns seq_dp)",
+        "dp:gloo": "_DATA_PARALLEL_GROUP_GLOO: the ranks of dp, a gloo group (no getter)",
+        "sp": "get_sequence_parallel_group(): Ulysses SP",
+        "seq_dp": "get_sequence_data_parallel_group() = get_data_parallel_group(): SP × DP",
+        "mp": "get_model_parallel_group(): tensor × pipeline",
+        "tp": "_TENSOR_MODEL_PARALLEL_GROUP (no getter in this line)",
+        "pp": "_PIPELINE_MODEL_PARALLEL_GROUP (no getter in this line)",
+        "embedding": "_EMBEDDING_GROUP: ranks tying input embedding and output layer (no getter)",
+        "position_embedding": "_POSITION_EMBEDDING_GROUP: ranks holding position embeddings "
+        "(no getter)",
+        "amax": "_AMAX_REDUCTION_GROUP: FP8 amax over tensor × data parallel ranks (no getter)",
+    },
 }
 
 
 def expect(world_size: int, **config: Any) -> Expected:
-    """Every group the seed's ``initialize_model_parallel(**config)`` builds.
+    """Every group ``initialize_model_parallel(**config)`` builds, named per ``variant``.
 
-    Example: ``expect(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)`` has dp
-    groups ``(0, 2)``, ``(1, 3)``, ``(4, 6)``, ..., tp groups ``(0, 1)``, ``(2, 3)``, ... and pp
-    groups ``(0, 4, 8, 12)``, ``(1, 5, 9, 13)``, ...
+    Example: ``expect(8, sequence_parallel_size=2)`` has dp groups ``(0, 2, 4, 6)``,
+    ``(1, 3, 5, 7)`` (upstream's ``get_data_parallel_group()``) and the single seq_dp group of
+    all 8 ranks (``get_data_parallel_group()`` with ``variant="habana-2024"``).
     """
     reject_unknown("megatron-deepspeed", config, PARAMETERS)
+    variant = config.get("variant", "upstream")
+    if variant not in VARIANTS:
+        raise LayoutError(
+            f"unknown megatron-deepspeed variant {variant!r}; variants are {VARIANTS}"
+        )
     tp = _degree(config, "tensor_model_parallel_size")
     pp = _degree(config, "pipeline_model_parallel_size")
     sp = _degree(config, "sequence_parallel_size")
     vpp = config.get("virtual_pipeline_model_parallel_size")
     split = config.get("pipeline_model_parallel_split_rank")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, np.integer))):
+        raise LayoutError(f"pipeline_model_parallel_split_rank must be an integer, got {split!r}")
+    split = None if split is None else int(split)
     use_fp8 = bool(config.get("use_fp8", False))
+    gloo = bool(config.get("use_distributed_optimizer", False))
+    dp = _validate(world_size, tp, pp, sp, vpp, split)
+    layout = Layout(pp=pp, dp=dp, sp=sp, tp=tp)
+    said = DESCRIPTIONS[variant]
 
-    if world_size % (tp * pp):
+    def kind(name: str, *dims: str) -> Kind:
+        return layout_kind(layout, name, said[name], *dims)
+
+    kinds = [kind("dp", "dp"), *_gloo_twin(layout, variant, gloo)]
+    kinds += [kind("sp", "sp"), kind("seq_dp", "dp", "sp"), kind("mp", "pp", "tp")]
+    kinds += [kind("tp", "tp"), kind("pp", "pp"), *_embedding_kinds(layout, pp, split, said)]
+    if use_fp8:
+
+        def blocks() -> Groups:  # contiguous tp × dp blocks, whatever the mesh
+            return Groups(np.arange(world_size, dtype=np.int64).reshape(-1, tp * dp))
+
+        kinds.append(Kind("amax", said["amax"], blocks))
+    normal = {
+        "variant": variant,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "sequence_parallel_size": sp,
+        "virtual_pipeline_model_parallel_size": vpp,
+        "pipeline_model_parallel_split_rank": split,
+        "use_fp8": use_fp8,
+        "use_distributed_optimizer": gloo,
+    }
+    roles = ROLES[variant]
+    return Expected("megatron-deepspeed", world_size, normal, kinds, roles, layout=layout)
+
+
+def _degree(config: Mapping[str, Any], key: str) -> int:
+    """Any integer: 0 and negative degrees get upstream's own arithmetic (see ``_validate``)."""
+    value = config.get(key, 1)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise LayoutError(f"{key} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _validate(world: int, tp: int, pp: int, sp: int, vpp: Any, split: int | None) -> int:
+    """The data-parallel degree, or what ``initialize_model_parallel`` raises, in its order.
+
+    Both lines run the same checks and the same integer arithmetic, so a 0 degree divides by
+    zero and a negative one makes ``range(world_size // size)`` empty: the call returns, but
+    with groups missing, and the first getter that needs one fails its assert (or, when the
+    model-parallel loop still runs, torch refuses its ``new_group([])``).
+    """
+    if tp * pp == 0:
         raise LayoutError(
-            f"world_size {world_size} is not divisible by tensor_model_parallel_size ({tp}) × "
+            f"tensor_model_parallel_size ({tp}) × pipeline_model_parallel_size ({pp}) is 0: "
+            f"world_size % 0 divides by zero",
+            upstream="ZeroDivisionError",
+        )
+    if world % (tp * pp):
+        raise LayoutError(
+            f"world_size {world} is not divisible by tensor_model_parallel_size ({tp}) × "
             f"pipeline_model_parallel_size ({pp}) = {tp * pp}",
             upstream="RuntimeError",
         )
@@ -76,10 +192,16 @@ def expect(world_size: int, **config: Any) -> Expected:
             f"tensor and pipeline parallel size 1, got tp={tp}, pp={pp}",
             upstream="AssertionError",
         )
-    if sp > 1 and world_size % sp:
+    if sp > 1 and world % sp:
         raise LayoutError(
-            f"world_size {world_size} is not divisible by sequence_parallel_size {sp}",
+            f"world_size {world} is not divisible by sequence_parallel_size {sp}",
             upstream="RuntimeError",
+        )
+    if sp == 0 or world // (tp * pp * sp) == 0:
+        raise LayoutError(
+            f"the data-parallel degree world_size // (tp × pp × sp) = {world} // ({tp} × {pp} × "
+            f"{sp}) is {'undefined' if sp == 0 else 0}: initialize_model_parallel divides by it",
+            upstream="ZeroDivisionError",
         )
     if vpp is not None and not pp > 2:
         raise LayoutError(
@@ -87,61 +209,58 @@ def expect(world_size: int, **config: Any) -> Expected:
             f"pipeline_model_parallel_size > 2 in Megatron-DeepSpeed, got {pp}",
             upstream="RuntimeError",
         )
-    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, np.integer))):
-        raise LayoutError(f"pipeline_model_parallel_split_rank must be an integer, got {split!r}")
-    split = None if split is None else int(split)
+    dp = world // (tp * pp * sp)
+    if min(tp, pp) < 0 and dp > 0:
+        raise LayoutError(
+            f"tp={tp}, pp={pp}, sp={sp}: range() over a negative degree builds no data-parallel "
+            f"group, so each of the {dp} model-parallel groups is new_group([]), which torch "
+            "refuses",
+            upstream="TypeError",
+        )
     if split is not None and pp > 1 and not -pp <= split < pp:
         raise LayoutError(
             f"pipeline_model_parallel_split_rank={split} is not a stage of a {pp}-stage pipeline "
             f"(valid: 0..{pp - 1})",
             upstream="IndexError",
         )
-    dp = world_size // (tp * pp * sp)
-    layout = Layout(pp=pp, dp=dp, sp=sp, tp=tp)
-
-    kinds = [
-        layout_kind(layout, "dp", "_DATA_PARALLEL_GROUP: data-parallel ranks, no SP", "dp"),
-        layout_kind(layout, "sp", "get_sequence_parallel_group(): Ulysses SP", "sp"),
-        layout_kind(
-            layout,
-            "seq_dp",
-            "get_sequence_data_parallel_group() (= get_data_parallel_group()): SP × DP",
-            "dp",
-            "sp",
-        ),
-        layout_kind(layout, "mp", "get_model_parallel_group(): tensor × pipeline", "pp", "tp"),
-        layout_kind(layout, "tp", "get_tensor_model_parallel_group()", "tp"),
-        layout_kind(layout, "pp", "get_pipeline_model_parallel_group()", "pp"),
-        *_embedding_kinds(layout, pp, split),
-    ]
-    if use_fp8:
-        kinds.append(
-            Kind(
-                "amax",
-                "get_amax_reduction_group(): FP8 amax over tensor × data parallel ranks",
-                lambda: Groups(np.arange(world_size, dtype=np.int64).reshape(-1, tp * dp)),
-            )
+    if min(tp, pp) < 0:
+        raise LayoutError(
+            f"a negative degree (tp={tp}, pp={pp}) leaves range() empty: "
+            "initialize_model_parallel returns without building the data-parallel groups, and "
+            "get_data_parallel_group() fails its assert",
+            upstream="AssertionError",
         )
-    normal = {
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "sequence_parallel_size": sp,
-        "virtual_pipeline_model_parallel_size": vpp,
-        "pipeline_model_parallel_split_rank": split,
-        "use_fp8": use_fp8,
-        "use_distributed_optimizer": bool(config.get("use_distributed_optimizer", False)),
-    }
-    return Expected("megatron-deepspeed", world_size, normal, kinds, ROLES, layout=layout)
+    if sp < 0:
+        raise LayoutError(
+            f"sequence_parallel_size={sp} leaves range(world_size // {sp}) empty: "
+            "initialize_model_parallel returns without building the sequence-parallel groups, "
+            "and get_sequence_parallel_group() fails its assert",
+            upstream="AssertionError",
+        )
+    return dp
 
 
-def _degree(config: Mapping[str, Any], key: str) -> int:
-    value = config.get(key, 1)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise LayoutError(f"{key} must be an integer >= 1, got {value!r}")
-    return int(value)
+def _gloo_twin(layout: Layout, variant: str, made: bool) -> list[Kind]:
+    """``dp:gloo``: each dp group again on gloo, under ``use_distributed_optimizer`` (in both
+    lines it twins the dp group without SP). Not made, upstream's getter asserts; the Habana
+    line has no getter, so there is nothing to ask for."""
+    if made:
+        description = DESCRIPTIONS[variant]["dp:gloo"]
+        return [layout_kind(layout, "dp:gloo", description, "dp", backends=("gloo",))]
+    if variant == "habana-2024":
+        return []
+    error = LayoutError(
+        "get_data_parallel_group_gloo() asserts: use_distributed_optimizer=False, so "
+        "initialize_model_parallel made no gloo group",
+        upstream="AssertionError",
+    )
+    description = "get_data_parallel_group_gloo() (not made: use_distributed_optimizer=False)"
+    return [Kind("dp:gloo", description, error)]
 
 
-def _embedding_kinds(layout: Layout, pp: int, split: int | None) -> list[Kind]:
+def _embedding_kinds(
+    layout: Layout, pp: int, split: int | None, said: Mapping[str, str]
+) -> list[Kind]:
     """[first, last] (position: [first]) of each pp group, plus the split stage when it is set
     and not already there; with pp = 1 both are the single rank."""
     embedding, position = ([0], [0]) if pp == 1 else ([0, pp - 1], [0])
@@ -156,15 +275,10 @@ def _embedding_kinds(layout: Layout, pp: int, split: int | None) -> list[Kind]:
         return lambda: Groups(layout.groups_array("pp")[:, columns])
 
     return [
-        Kind(
-            "embedding",
-            "get_embedding_group(): ranks tying input embedding and output layer",
-            pick(embedding),
-            partition=len(embedding) == pp,
-        ),
+        Kind("embedding", said["embedding"], pick(embedding), partition=len(embedding) == pp),
         Kind(
             "position_embedding",
-            "get_position_embedding_group(): ranks holding position embeddings",
+            said["position_embedding"],
             pick(position),
             partition=len(position) == pp,
         ),
@@ -172,16 +286,46 @@ def _embedding_kinds(layout: Layout, pp: int, split: int | None) -> list[Kind]:
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every tp × pp config (sp = 1), then every sp > 1 config (tp = pp = 1).
+    """Per variant: every tp × pp config (sp = 1), then every sp > 1 config (tp = pp = 1).
 
-    Option ``use_fp8`` (default True, so sweeps cover the amax groups).
+    Options: ``variant`` (default: both), ``use_fp8`` and ``use_distributed_optimizer``
+    (default True, so sweeps cover the amax groups and the gloo twins).
     """
-    use_fp8 = bool(options.get("use_fp8", True))
-    for tp, pp, _dp in ordered_factorizations(world_size, 3):
-        yield {
-            "tensor_model_parallel_size": tp,
-            "pipeline_model_parallel_size": pp,
-            "use_fp8": use_fp8,
-        }
-    for sp in divisors(world_size)[1:]:
-        yield {"sequence_parallel_size": sp, "use_fp8": use_fp8}
+    variants = (options["variant"],) if "variant" in options else VARIANTS
+    flags = {
+        "use_fp8": bool(options.get("use_fp8", True)),
+        "use_distributed_optimizer": bool(options.get("use_distributed_optimizer", True)),
+    }
+    for variant in variants:
+        for tp, pp, _dp in ordered_factorizations(world_size, 3):
+            yield {
+                "variant": variant,
+                "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": pp,
+                **flags,
+            }
+        for sp in divisors(world_size)[1:]:
+            yield {"variant": variant, "sequence_parallel_size": sp, **flags}
+
+
+def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
+    """Configs both lines reject, per variant, each with the type ``expect`` names as
+    ``upstream``: a 0 degree (ZeroDivisionError), a tp that does not divide the world
+    (RuntimeError), Ulysses SP beside tp (AssertionError), interleaving with pp = 2
+    (RuntimeError), a split rank past the last stage (IndexError), negative degrees (the
+    getter's AssertionError)."""
+    odd = next(n for n in range(2, world_size + 2) if world_size % n)
+    for variant in VARIANTS:
+        base = {"variant": variant}
+        yield {**base, "tensor_model_parallel_size": 0}
+        yield {**base, "sequence_parallel_size": 0}
+        yield {**base, "tensor_model_parallel_size": odd}
+        yield {**base, "sequence_parallel_size": odd}
+        yield {**base, "tensor_model_parallel_size": -1}
+        yield {**base, "sequence_parallel_size": -1}
+        if world_size % 4 == 0:
+            yield {**base, "tensor_model_parallel_size": 2, "sequence_parallel_size": 2}
+        if world_size % 2 == 0:
+            pipeline = {"pipeline_model_parallel_size": 2}
+            yield {**base, **pipeline, "virtual_pipeline_model_parallel_size": 2}
+            yield {**base, **pipeline, "pipeline_model_parallel_split_rank": 2}
