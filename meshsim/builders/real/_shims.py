@@ -40,6 +40,11 @@ TESTED_VERSIONS = {
     "torchtitan": "0.3.0",
     "megatron-core": "0.16.1",
     "deepspeed": "0.19.8",
+    "accelerate": "1.15.0",
+    "transformers": "5.23.0",
+    "lightning": "2.6.6",
+    "verl": "0.9.1",
+    "areal": "1.0.4",
 }
 
 
