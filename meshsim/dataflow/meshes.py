@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshsim import torch_private
 from meshsim.errors import UsageError
 
-FRAMEWORKS = ("olmo-core", "torchtitan")
+FRAMEWORKS = ("olmo-core", "torchtitan", "accelerate")
 
 
 @dataclass
@@ -47,6 +47,8 @@ def build(framework: str, world_size: int, config: Mapping[str, Any], real: bool
         return _olmo(world_size, config, real)
     if framework == "torchtitan":
         return _torchtitan(world_size, config, real)
+    if framework == "accelerate":
+        return _accelerate(world_size, config, real)
     raise UsageError(f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}")
 
 
@@ -157,4 +159,46 @@ def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> Train
     return TrainerMeshes(
         data_rank, data_size, grad, loading["batch"], _flat(grad, "meshsim_grad"), tp_mesh,
         cp_rank, cp_size, pp_rank, ddp=dps * cp == 1,
+    )  # fmt: skip
+
+
+# -- accelerate -----------------------------------------------------------------------------------
+def _accelerate(world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
+    """``Accelerator``'s wiring: ``prepare_data_loader``'s (process_index, num_processes) for the
+    loader, ``mesh[fsdp_dim_names]`` for FSDP2 (no mesh: the world), DDP over the world group,
+    no wrapper for TP alone."""
+    from meshsim.builders import accelerate as plain
+    from meshsim.builders._common import mesh
+
+    version, kind, sizes, autotp = plain._settings(config)
+    if kind == "DEEPSPEED":
+        raise UsageError("the accelerate data-flow recipe follows FSDP2 and DDP, not DeepSpeed")
+    if config.get("dispatch_batches"):
+        raise UsageError(
+            "the accelerate data-flow recipe shards batches as prepare_data_loader "
+            "does; dispatch_batches is modelled by the reference and adapters only"
+        )
+    if real:
+        from meshsim.builders.real import accelerate as adapter
+
+        kind, _, root = adapter.device_mesh(world_size, config)
+        with adapter.loader_state(world_size, kind):
+            sampler = adapter.prepare_loader(world_size, root).batch_sampler
+        data_rank = getattr(sampler, "process_index", 0)
+        data_size = getattr(sampler, "num_processes", 1)
+    else:
+        plain._check(world_size, version, kind, sizes, autotp)
+        root = plain.build_device_mesh(version, sizes)
+        data_rank, data_size = plain.loader_rank(world_size, kind, root)
+    names = tuple(root.mesh_dim_names or ()) if root is not None else ()
+    grad: DeviceMesh | None = None
+    if kind == "FSDP" and root is not None:
+        grad = root[(("dp_replicate",) if "dp_replicate" in names else ()) + ("dp_shard_cp",)]
+    elif kind == "FSDP" or sizes["tp"] == 1:
+        grad = mesh((world_size,), ("world",))
+    data = root["dp"] if "dp_replicate" in names or "dp_shard" in names else None
+    cp_rank, cp_size = _local(root["cp"] if "cp" in names else None)
+    return TrainerMeshes(
+        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"),
+        root["tp"] if "tp" in names else None, cp_rank, cp_size, 0, ddp=kind == "MULTI_GPU",
     )  # fmt: skip

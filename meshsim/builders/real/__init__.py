@@ -154,7 +154,29 @@ def outside_adapter(framework: str, config: Mapping[str, object]) -> str | None:
                 f"torchtitan's current ParallelDims has no expert tensor parallel degree; got "
                 f"etp={config['etp']}"
             )
+    if framework == "accelerate":
+        return _other_accelerate_release(config)
     return None
+
+
+def _other_accelerate_release(config: Mapping[str, object]) -> str | None:
+    """The reference models accelerate 1.10 and 1.15; the adapter runs the installed one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from meshsim.model.conventions.accelerate import version_of
+
+    try:
+        found = ".".join(version("accelerate").split(".")[:2])
+    except PackageNotFoundError:
+        return None
+    wanted = version_of(config)
+    if wanted == found:
+        return None
+    return (
+        f"the real accelerate adapter runs the installed accelerate {found}; version={wanted!r} "
+        f"is modelled by meshsim's reference only (use real=False, or install "
+        f"accelerate=={wanted}.0)"
+    )
 
 
 def install_hint(framework: str) -> str:

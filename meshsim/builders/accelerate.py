@@ -1,0 +1,241 @@
+"""accelerate builder: ``ParallelismConfig.build_device_mesh`` and the Accelerator's uses of it,
+replayed with plain torch.
+
+The mesh is ``init_device_mesh`` over the sizes > 1 in accelerate's order (dp_replicate,
+dp_shard, cp, sp, tp), then ``_flatten`` of ``dp``, ``dp_shard_cp`` and ``dp_cp`` over whichever
+of their dims were kept, in that order. Every kind is then asked of the *live* mesh the way
+accelerate asks (``mesh[name]``), so a name torch never registered comes back as torch's own
+``KeyError``. The data loader's replica groups are ``prepare_data_loader``'s arithmetic over the
+live mesh's dim sizes, applied to every rank number; the DeepSpeed AutoTP mesh is
+``init_device_mesh`` over ``(autotp_size,)`` alone, as ``_prepare_deepspeed`` builds it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshsim import torch_private
+from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, require
+from meshsim.checks import Observation
+
+ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+FLATTENS = (
+    ("dp", ("dp_replicate", "dp_shard")),
+    ("dp_shard_cp", ("dp_shard", "cp")),
+    ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+)
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+
+
+def build(world_size: int, config: Mapping[str, Any]) -> Observation:
+    """Every kind accelerate hands out for ``config`` on this rank.
+
+    Example (world 8): ``{"tp_size": 2, "dp_shard_size": 4}`` builds a (dp_shard, tp) = (4, 2)
+    mesh; ``tp`` is ``(0, 1)`` on rank 0 and the loader's replica group ``(0, 2, 4, 6)``.
+    """
+    version, kind, sizes, autotp = _settings(config)
+    _check(world_size, version, kind, sizes, autotp)
+    root = build_device_mesh(version, sizes)
+    entries: dict[str, Entry] = {}
+    for name in (*ORDER, *(n for n, _ in FLATTENS)):
+        entries[name] = _ask(root, name)
+    if kind == "FSDP":
+        entries["fsdp_mesh"] = _fsdp_mesh(root)
+    elif kind == "MULTI_GPU" and sizes["tp"] == 1:
+        entries["ddp"] = dist.group.WORLD
+    loader_mesh = root
+    if kind == "DEEPSPEED" and autotp > 1:
+        loader_mesh = mesh((autotp,), ("tp",))
+        entries["ds:tp"] = loader_mesh if dist.get_rank() < autotp else None
+    dispatch = bool(config.get("dispatch_batches"))
+    replica, peers = _loader_groups(world_size, kind, loader_mesh, dispatch)
+    entries["dataloader_replica"] = replica
+    entries["dataloader_batch_peers"] = peers
+    return collect(entries)
+
+
+def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
+    """The ParallelismConfig mesh (none when accelerate builds none)."""
+    version, kind, sizes, autotp = _settings(config)
+    _check(world_size, version, kind, sizes, autotp)
+    root = build_device_mesh(version, sizes)
+    return {} if root is None else {"main": root}
+
+
+def _settings(config: Mapping[str, Any]) -> tuple[str, str, dict[str, int], int]:
+    version = {1.1: "1.10", 1.15: "1.15", "1.10.0": "1.10", "1.15.0": "1.15"}.get(
+        config.get("version") or "1.15", config.get("version") or "1.15"
+    )
+    if version == "1.10" and config.get("sp_size") is not None:
+        raise FrameworkRejection(
+            "ParallelismConfig.__init__() got an unexpected keyword argument 'sp_size'",
+            upstream="TypeError",
+        )
+    sizes = {key[: -len("_size")]: config.get(key) or 1 for key in SIZE_KEYS}
+    for key in SIZE_KEYS[: 5 if version == "1.15" else 4]:
+        value = config.get(key)
+        require(
+            value is None or value >= 1,
+            f"{key} must be at least 1, but got {value}",
+            upstream="ValueError",
+        )
+    autotp = int(config.get("autotp_size") or 0)
+    kind = config.get("distributed_type")
+    if kind is None:
+        if sizes["dp_shard"] > 1 or sizes["cp"] > 1:
+            kind = "FSDP"
+        elif sizes["sp"] > 1 or autotp > 1:
+            kind = "DEEPSPEED"
+        else:
+            kind = "MULTI_GPU"
+    return version, str(kind), sizes, autotp
+
+
+def _check(world_size: int, version: str, kind: str, sizes: dict[str, int], autotp: int) -> None:
+    """``__post_init__``, ``AcceleratorState``'s CP check, ``init_device_mesh``'s size check,
+    ``_validate_accelerator`` and the AutoTP mesh's size check, in accelerate's order."""
+    require(
+        not (sizes["cp"] > 1 and sizes["sp"] > 1),
+        "Context Parallelism (CP) and Sequence Parallelism (SP) are mutually exclusive",
+        upstream="ValueError",
+    )
+    require(
+        not ((sizes["tp"] > 1 or sizes["cp"] > 1) and sizes["dp_replicate"] > 1)
+        or sizes["dp_shard"] > 1,
+        "Tensor/Context parallelism cannot be used with pure data parallelism",
+        upstream="ValueError",
+    )
+    require(
+        not (sizes["cp"] > 1 and kind == "MULTI_GPU"),
+        "`cp_size > 1` specified in the `parallelism_config`, but no `fsdp_plugin` was provided",
+        upstream="ValueError",
+    )
+    total = math.prod(sizes.values())
+    builds = any(s > 1 for s in sizes.values()) and not (version == "1.15" and sizes["sp"] > 1)
+    require(
+        not builds or total <= world_size,
+        f"Mesh should not be bigger than default world size {world_size}, but found {total}",
+        upstream="RuntimeError",
+    )
+    multi_device = kind == "MULTI_GPU" and world_size > 1
+    if multi_device or total != 1:
+        if total == 1:
+            total = world_size
+        require(
+            (version == "1.15" and sizes["sp"] > 1) or total == world_size,
+            f"ParallelismConfig total_size ({total}) does not match num_processes ({world_size})",
+            upstream="ValueError",
+        )
+        require(
+            not (version == "1.15" and kind == "FSDP" and sizes["dp_shard"] == sizes["cp"] == 1),
+            "FSDP is enabled but the parallelism config has no dimension for FSDP to shard across",
+            upstream="ValueError",
+        )
+        compatible = ("FSDP", "MULTI_GPU") + (("DEEPSPEED",) if version == "1.15" else ())
+        require(
+            total == 1 or kind in compatible,
+            f"ParallelismConfig is only compatible with {compatible}, got {kind}",
+            upstream="ValueError",
+        )
+    require(
+        autotp <= world_size,
+        f"Mesh should not be bigger than default world size {world_size}, but found {autotp}",
+        upstream="RuntimeError",
+    )
+    require(
+        autotp <= 1 or world_size % autotp == 0,
+        f"autotp_size {autotp} does not divide the world {world_size}",
+        upstream=None,
+    )
+
+
+def build_device_mesh(version: str, sizes: Mapping[str, int]) -> DeviceMesh | None:
+    """``ParallelismConfig.build_device_mesh``: kept dims, then the three flattens."""
+    if version == "1.15" and sizes["sp"] > 1:
+        return None  # DeepSpeed builds its own SP groups
+    kept = [d for d in ORDER if sizes[d] > 1]
+    if not kept:
+        return None
+    root = mesh([sizes[d] for d in kept], kept)
+    for name, dims in FLATTENS:
+        present = [d for d in dims if d in kept]
+        if present:
+            torch_private.flatten(root[tuple(present)], name)
+    return root
+
+
+def _ask(root: DeviceMesh | None, name: str) -> Entry:
+    """``mesh[name]`` as accelerate asks it, or what that raises."""
+    try:
+        return root[name]  # type: ignore[index]
+    except (KeyError, TypeError) as error:
+        return error
+
+
+def _fsdp_mesh(root: DeviceMesh | None) -> Entry:
+    """``fsdp2_prepare_model``'s ``mesh[fsdp_dim_names]``; no mesh: torch's world mesh."""
+    if root is None:
+        return dist.group.WORLD
+    names = tuple(root.mesh_dim_names or ())
+    dims = (("dp_replicate",) if "dp_replicate" in names else ()) + ("dp_shard_cp",)
+    try:
+        return root[dims]
+    except KeyError as error:
+        return error
+
+
+def _loader_groups(
+    world_size: int, kind: str, loader_mesh: DeviceMesh | None, dispatch: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``prepare_data_loader``: ``process_index // block``, ``block`` from the mesh's ``tp``
+    (and, outside DeepSpeed, ``cp``) sizes; this rank's DP group (same place in its block,
+    one rank per replica index) and the ranks loading the same batches. ``DataLoaderDispatcher``
+    instead sends every rank the same batch when the mesh has ``tp``, else each its own."""
+    block = _block(kind, loader_mesh)
+    if dispatch:
+        names = tuple(loader_mesh.mesh_dim_names or ()) if loader_mesh is not None else ()
+        block = world_size if "tp" in names else 1
+    index = [r // block for r in range(world_size)]
+    rank = dist.get_rank()
+    peers = tuple(r for r in range(world_size) if index[r] == index[rank])
+    place = peers.index(rank)
+    replica = tuple(
+        sorted(
+            (r for r in range(world_size) if _place(index, r) == place),
+            key=lambda r: index[r],
+        )
+    )
+    return replica, peers
+
+
+def loader_rank(world_size: int, kind: str, loader_mesh: DeviceMesh | None) -> tuple[int, int]:
+    """``prepare_data_loader``'s (process_index, num_processes) for this rank."""
+    rank = dist.get_rank()
+    if loader_mesh is None:
+        return rank, world_size
+    block = _block(kind, loader_mesh)
+    if kind == "DEEPSPEED":
+        return rank // block, world_size // block
+    names = tuple(loader_mesh.mesh_dim_names or ())
+    dp = [loader_mesh[d].size() for d in ("dp_replicate", "dp_shard") if d in names]
+    return rank // block, math.prod(dp)
+
+
+def _block(kind: str, loader_mesh: DeviceMesh | None) -> int:
+    """The divisor of the process index: the mesh's tp (and, outside DeepSpeed, cp) size."""
+    names = tuple(loader_mesh.mesh_dim_names or ()) if loader_mesh is not None else ()
+    block = 1
+    for dim in ("tp",) if kind == "DEEPSPEED" else ("tp", "cp"):
+        if dim in names:
+            block *= loader_mesh[dim].size()  # type: ignore[index]
+    return block
+
+
+def _place(index: list[int], rank: int) -> int:
+    """``rank``'s position among the ranks sharing its replica index."""
+    return sum(1 for r in range(rank) if index[r] == index[rank])
