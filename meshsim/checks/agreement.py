@@ -347,9 +347,11 @@ def check_meshes(
     Example, inside a rank: ``check_meshes({"model": model_mesh, "trainer": trainer_mesh})``
     is empty when both meshes give every rank the same data rank and name no group twice.
     """
-    rules = Rules.of(data_dims, same_groups, independent)
     from meshsim.model.expected import Expected
 
+    if isinstance(meshes, Expected):
+        same_groups = [*same_groups, *declared_same_groups(meshes.framework)]
+    rules = Rules.of(data_dims, same_groups, independent)
     if isinstance(meshes, Expected):
         views = expected_views(meshes)
         _known(views, rules)
@@ -364,6 +366,16 @@ def check_meshes(
     live = live_views(meshes)
     _known({v.name: [v] for v in live}, rules)
     return compare(dist.get_rank(), live, rules)
+
+
+def declared_same_groups(framework: str) -> tuple[tuple[str, str], ...]:
+    """Dims the convention declares one group on purpose (its ``SAME_GROUPS``), e.g.
+    transformers' ``main:fsdp`` and its Trainer's ``trainer:dp_shard``."""
+    from meshsim.model.conventions import CONVENTIONS, convention
+
+    if framework not in CONVENTIONS:
+        return ()
+    return tuple(getattr(convention(framework), "SAME_GROUPS", ()))
 
 
 def _known(views: Mapping[str, Any], rules: Rules) -> None:

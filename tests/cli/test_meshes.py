@@ -55,3 +55,29 @@ def test_bad_input_is_one_line() -> None:
     assert_bad_input(
         run_cli("meshes", "megatron", "-n", "8", "--backend", "threaded"), "does not hand out"
     )
+
+
+def test_transformers_trainer_mesh_agrees_as_declared_and_whole_world_tp_is_shared() -> None:
+    """transformers declares its Trainer's dp_shard to be the model's fsdp (SAME_GROUPS); a
+    whole-world tp dim is torch's default group in all three meshes (transformers#48383)."""
+    agreed = run_cli("meshes", "transformers", "-n", "8", "--tp", "2", "--dp-shard", "4")
+    assert agreed.returncode == 0, agreed.stdout + agreed.stderr
+    assert "meshes main, expert, trainer agree" in agreed.stdout
+    live = json_of(
+        run_cli(
+            "meshes",
+            "transformers",
+            "-n",
+            "4",
+            "--tp",
+            "4",
+            "--backend",
+            "gloo",
+            "--independent",
+            "--json",
+        )
+    )
+    shared = {
+        tuple(d["meshes"]) for d in live["disagreements"] if d["aspect"] == "shared communicator"
+    }
+    assert shared == {("main", "expert"), ("main", "trainer"), ("expert", "trainer")}

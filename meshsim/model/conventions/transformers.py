@@ -50,6 +50,11 @@ _SIZES: Final = ("tp_size", "fsdp_size", "dp_replicate_size", "pp_size", "ep_siz
 def _value_error(message: str) -> LayoutError:
     return LayoutError(message, upstream="ValueError")
 
+#: Dims of two meshes that are one group by design (``meshsim.check_meshes`` accepts them): the
+#: Trainer hands accelerate ``dp_shard_size = dp_size``, which is the model's ``fsdp`` group
+#: whenever there are no replicas.
+SAME_GROUPS: Final = (("main:fsdp", "trainer:dp_shard"),)
+
 
 def expect(world_size: int, **config: Any) -> Expected:
     """Every group transformers builds for ``DistributedConfig(**config)`` on ``world_size``.
