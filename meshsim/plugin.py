@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from meshsim import options
 from meshsim.fixtures import (  # noqa: F401 (fixtures)
     backend,
     meshsim_dataflow,
@@ -36,37 +37,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--meshsim-timeout",
         default=None,
-        type=_positive_float,
+        type=options.seconds("--meshsim-timeout", error=pytest.UsageError),
         help="per-test timeout in seconds for @pytest.mark.meshsim tests (overrides the marker)",
     )
     group.addoption(
         "--meshsim-max-world-size",
         default=None,
-        type=_positive_int,
+        type=options.integer(
+            "--meshsim-max-world-size", minimum=1, error=pytest.UsageError, echo_text=True
+        ),
         help="skip @pytest.mark.meshsim items whose world size exceeds this",
     )
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise pytest.UsageError(f"--meshsim-timeout takes seconds, got {text!r}") from None
-    if value <= 0:
-        raise pytest.UsageError(f"--meshsim-timeout must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise pytest.UsageError(
-            f"--meshsim-max-world-size takes an integer, got {text!r}"
-        ) from None
-    if value < 1:
-        raise pytest.UsageError(f"--meshsim-max-world-size must be >= 1, got {text}")
-    return value
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -165,14 +146,12 @@ def pytest_assertrepr_compare(
     """Explain ``assert observed == expected`` with the per-kind diff."""
     if op != "==":
         return None
-    from meshsim.checks.observation import ObservedLayout
+    from meshsim.checks.diff import ObservedLayout, diff
     from meshsim.model.expected import Expected
 
     if isinstance(right, ObservedLayout) and isinstance(left, Expected):
         left, right = right, left
     if isinstance(left, ObservedLayout) and isinstance(right, Expected):
-        from meshsim.checks.diff import diff
-
         found = diff(left, right)
         if found is not None:
             # pytest cuts an explanation at 8 lines / 640 characters (without -vv): the finding

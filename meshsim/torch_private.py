@@ -57,39 +57,72 @@ class Private:
         return obj
 
 
+def _names(
+    module: str, uses: Mapping[str, str], since: tuple[int, int] = (2, 6)
+) -> tuple[Private, ...]:
+    """``module``'s names (``path: use``) that first appear in torch ``since``."""
+    return tuple(Private(module, path, use, since) for path, use in uses.items())
+
+
 SURFACE: tuple[Private, ...] = (
     # c10d's process-global world (the in-process tiers swap it; workers reuse the world group)
-    Private(C10D, "_World", "a private world per in-process run (isolation)"),
-    Private(C10D, "_world", "the world the in-process tiers swap; group bookkeeping"),
-    Private(C10D, "_World.pg_config_info", "kept on the private world class"),
-    Private(C10D, "_get_default_group", "the world group of the running rank"),
-    Private(C10D, "_get_default_store", "ranks' claimed groups, compared before proving"),
-    Private(C10D, "_resolve_process_group", "group names in recorded calls"),
-    Private(C10D, "_new_group_with_tag", "the fake fast path: a body that patched new_group"),
-    Private(C10D, "_is_barrier_after_init", "the fake fast path: TORCH_DIST_INIT_BARRIER"),
-    Private(C10D, "ProcessGroup._get_sequence_number_for_group", "a kept world's health mark"),
-    Private(C10D_BINDINGS, "_set_thread_isolation_mode", "per-thread group names (threaded)"),
-    Private(C10D_BINDINGS, "_set_global_rank", "log prefixes restored after a run"),
-    Private("torch._C", "_is_multithreading_enabled", "autograd threading restored after a run"),
+    *_names(
+        C10D,
+        {
+            "_World": "a private world per in-process run (isolation)",
+            "_world": "the world the in-process tiers swap; group bookkeeping",
+            "_World.pg_config_info": "kept on the private world class",
+            "_get_default_group": "the world group of the running rank",
+            "_get_default_store": "ranks' claimed groups, compared before proving",
+            "_resolve_process_group": "group names in recorded calls",
+            "_new_group_with_tag": "the fake fast path: a body that patched new_group",
+            "_is_barrier_after_init": "the fake fast path: TORCH_DIST_INIT_BARRIER",
+            "ProcessGroup._get_sequence_number_for_group": "a kept world's health mark",
+        },
+    ),
+    *_names(
+        C10D_BINDINGS,
+        {
+            "_set_thread_isolation_mode": "per-thread group names (threaded)",
+            "_set_global_rank": "log prefixes restored after a run",
+        },
+    ),
+    *_names("torch._C", {"_is_multithreading_enabled": "autograd threading restored after a run"}),
     # DeviceMesh's bookkeeping
-    Private(DEVICE_MESH, "DeviceMesh._flatten", "flattened dims (every convention)"),
-    Private(DEVICE_MESH, "DeviceMesh._get_root_mesh", "the root of a view", since=(2, 10)),
-    Private(DEVICE_MESH, "_mesh_resources", "the root and flatten mapping; `with mesh:` stack"),
-    Private(DEVICE_MESH, "DeviceMesh._unflatten", "splitting a dim", since=(2, 10)),
-    Private(DEVICE_MESH, "DeviceMesh._init_one_process_group", "fake fast path", since=(2, 10)),
-    Private(MESH_LAYOUT, "_MeshLayout", "fake fast path: a dim's groups", since=(2, 10)),
-    Private(MESH_LAYOUT, "_FlatLayout", "fake fast path: one axis", since=(2, 13)),
+    *_names(
+        DEVICE_MESH,
+        {
+            "DeviceMesh._flatten": "flattened dims (every convention)",
+            "_mesh_resources": "the root and flatten mapping; `with mesh:` stack",
+        },
+    ),
+    *_names(
+        DEVICE_MESH,
+        {
+            "DeviceMesh._get_root_mesh": "the root of a view",
+            "DeviceMesh._unflatten": "splitting a dim",
+            "DeviceMesh._init_one_process_group": "fake fast path",
+        },
+        since=(2, 10),
+    ),
+    *_names(MESH_LAYOUT, {"_MeshLayout": "fake fast path: a dim's groups"}, since=(2, 10)),
+    *_names(MESH_LAYOUT, {"_FlatLayout": "fake fast path: one axis"}, since=(2, 13)),
     # torch's test backends
-    Private(THREADED_PG, "ThreadLocalWorld", "the threaded tier's per-thread world"),
-    Private(THREADED_PG, "ProcessLocalGroup", "the threaded tier's process group"),
-    Private(THREADED_PG, "ProcessLocalGroup._terminate", "an aborted threaded world"),
-    Private(C10D, "ProcessGroup._get_backend", "batch_isend_irecv on the threaded tier"),
-    Private(FAKE_PG, "FakeProcessGroup", "the fake tier's process group"),
+    *_names(
+        THREADED_PG,
+        {
+            "ThreadLocalWorld": "the threaded tier's per-thread world",
+            "ProcessLocalGroup": "the threaded tier's process group",
+            "ProcessLocalGroup._terminate": "an aborted threaded world",
+        },
+    ),
+    *_names(C10D, {"ProcessGroup._get_backend": "batch_isend_irecv on the threaded tier"}),
+    *_names(FAKE_PG, {"FakeProcessGroup": "the fake tier's process group"}),
     # collectives and DTensor
-    Private(FUNCOL, "all_reduce", "recording functional collectives"),
-    Private(DTENSOR_DEBUG, "_clear_sharding_prop_cache", "stale DTensor plans", since=(2, 11)),
-    Private("torch.distributed.tensor._random", "_rng_tracker", "DTensor's RNG per rank"),
-    Private("torch._C", "_ensureCUDADeviceGuardSet", "no GPU: threaded DTensor", since=(2, 10)),
+    *_names(FUNCOL, {"all_reduce": "recording functional collectives"}),
+    *_names(DTENSOR_DEBUG, {"_clear_sharding_prop_cache": "stale DTensor plans"}, since=(2, 11)),
+    *_names("torch.distributed.tensor._random", {"_rng_tracker": "DTensor's RNG per rank"}),
+    *_names("torch._C", {"_ensureCUDADeviceGuardSet": "no GPU: threaded DTensor"}, since=(2, 10)),
 )
 
 

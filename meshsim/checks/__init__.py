@@ -7,8 +7,8 @@ from meshsim.checks.agreement import (
     check_meshes,
 )
 from meshsim.checks.assertions import assert_layout, assert_within_nodes, gather
-from meshsim.checks.diff import MeshDiff, Mismatch, diff, format_ranks
-from meshsim.checks.observation import GroupView, Observation, ObservedLayout
+from meshsim.checks.diff import MeshDiff, Mismatch, ObservedLayout, diff, format_ranks
+from meshsim.checks.observation import GroupView, Observation
 from meshsim.checks.snapshot import observe, observe_groups
 
 __all__ = [

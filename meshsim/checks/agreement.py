@@ -151,17 +151,13 @@ def _data_rank(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Disagr
     ra, rb = _data_coordinate(a, da), _data_coordinate(b, db)
     if ra == rb:
         return []
-    return [
-        Disagreement(
-            rank,
-            (a.name, b.name),
-            "data rank",
-            subject=f"{a.name} {_dims(da)} / {b.name} {_dims(db)}",
-            detail=f"{a.name} {_dims(da)} gives data rank {ra[0]} of {ra[1]}, {b.name} {_dims(db)} "
-            f"gives {rb[0]} of {rb[1]}: a loader reading one mesh and a wrapper reducing over "
-            "the other feed this rank's peers different batches",
-        )
-    ]
+    detail = (
+        f"{a.name} {_dims(da)} gives data rank {ra[0]} of {ra[1]}, {b.name} {_dims(db)} "
+        f"gives {rb[0]} of {rb[1]}: a loader reading one mesh and a wrapper reducing over "
+        "the other feed this rank's peers different batches"
+    )
+    subject = f"{a.name} {_dims(da)} / {b.name} {_dims(db)}"
+    return [Disagreement(rank, (a.name, b.name), "data rank", detail, subject)]
 
 
 def _data_coordinate(view: MeshView, dims: Sequence[str]) -> tuple[int, int]:
@@ -190,30 +186,24 @@ def _names(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Disagreeme
             same_name = name_a == name_b
             same_group = set(dim_a.members) == set(dim_b.members)
             if same_name and not same_group:
-                found.append(
-                    Disagreement(
-                        rank,
-                        (a.name, b.name),
-                        f"one name, two groups ({name_a!r})",
-                        subject=name_a,
-                        detail=f"{a.name} holds {dim_a.members}, {b.name} holds {dim_b.members}",
-                    )
-                )
+                aspect = f"one name, two groups ({name_a!r})"
+                detail = f"{a.name} holds {dim_a.members}, {b.name} holds {dim_b.members}"
+                subject = name_a
             elif same_group and not same_name and len(dim_a.members) > 1:
                 meant = frozenset({f"{a.name}:{name_a}", f"{b.name}:{name_b}"})
-                if meant not in rules.same_groups:
-                    found.append(
-                        Disagreement(
-                            rank,
-                            (a.name, b.name),
-                            "two names, one group",
-                            subject=f"{a.name}:{name_a} = {b.name}:{name_b}",
-                            detail=f"{a.name}:{name_a} and {b.name}:{name_b} both hold "
-                            f"{dim_a.members}; if meant, declare it: same_groups="
-                            f"[({a.name + ':' + name_a!r}, {b.name + ':' + name_b!r})] "
-                            f"(meshsim meshes --same {a.name}:{name_a}={b.name}:{name_b})",
-                        )
-                    )
+                if meant in rules.same_groups:
+                    continue
+                aspect = "two names, one group"
+                detail = (
+                    f"{a.name}:{name_a} and {b.name}:{name_b} both hold "
+                    f"{dim_a.members}; if meant, declare it: same_groups="
+                    f"[({a.name + ':' + name_a!r}, {b.name + ':' + name_b!r})] "
+                    f"(meshsim meshes --same {a.name}:{name_a}={b.name}:{name_b})"
+                )
+                subject = f"{a.name}:{name_a} = {b.name}:{name_b}"
+            else:
+                continue
+            found.append(Disagreement(rank, (a.name, b.name), aspect, detail, subject))
     return found
 
 
@@ -237,33 +227,26 @@ def _communicators(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Di
         for name_b, dim_b in b.dims.items():
             if len(dim_a.members) < 2 or dim_a.communicator is None:
                 continue
-            subject = f"{a.name}:{name_a} = {b.name}:{name_b}"
             if dim_a.communicator == dim_b.communicator:
-                found.append(
-                    Disagreement(
-                        rank,
-                        (a.name, b.name),
-                        "shared communicator",
-                        subject=subject,
-                        detail=f"{a.name}:{name_a} and {b.name}:{name_b} are one process group "
-                        f"over {dim_a.members}: two models' collectives on it interleave and hang "
-                        "(torch hands any mesh dim spanning the whole world the default group, "
-                        "named or not; give one model its own group with new_group)",
-                    )
+                aspect = "shared communicator"
+                detail = (
+                    f"{a.name}:{name_a} and {b.name}:{name_b} are one process group "
+                    f"over {dim_a.members}: two models' collectives on it interleave and hang "
+                    "(torch hands any mesh dim spanning the whole world the default group, "
+                    "named or not; give one model its own group with new_group)"
                 )
             elif name_a == name_b and dim_a.members == dim_b.members:
-                found.append(
-                    Disagreement(
-                        rank,
-                        (a.name, b.name),
-                        "equal sub-meshes",
-                        subject=subject,
-                        detail=f"{a.name}[{name_a!r}] and {b.name}[{name_b!r}] compare and hash "
-                        f"equal as DeviceMeshes over {dim_a.members} on different process "
-                        "groups, so DTensor's sharding-propagation cache hands one model's "
-                        "entries (and group) to the other; name the dims apart",
-                    )
+                aspect = "equal sub-meshes"
+                detail = (
+                    f"{a.name}[{name_a!r}] and {b.name}[{name_b!r}] compare and hash "
+                    f"equal as DeviceMeshes over {dim_a.members} on different process "
+                    "groups, so DTensor's sharding-propagation cache hands one model's "
+                    "entries (and group) to the other; name the dims apart"
                 )
+            else:
+                continue
+            subject = f"{a.name}:{name_a} = {b.name}:{name_b}"
+            found.append(Disagreement(rank, (a.name, b.name), aspect, detail, subject))
     return found
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from meshsim.checks.diff import diff
-from meshsim.checks.observation import Observation, ObservedLayout
+from meshsim.checks.diff import ObservedLayout, diff
+from meshsim.checks.observation import Observation
 from meshsim.errors import LayoutMismatch
 from meshsim.model.expected import Expected
 

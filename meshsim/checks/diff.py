@@ -1,15 +1,68 @@
-"""Pure diff of observed groups against the reference: observations + Expected -> MeshDiff."""
+"""Pure diff of observed groups against the reference: observations + Expected -> MeshDiff.
+
+:class:`ObservedLayout` lives here, not beside :class:`Observation`: its ``==`` is this diff.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from meshsim.checks.observation import GroupView, Observation, ObservedLayout
+from meshsim.checks.observation import GroupView, Observation
 from meshsim.errors import UsageError
 from meshsim.harness.outcome import rank_label
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.groups import Group, format_groups
+
+
+@dataclass(frozen=True)
+class ObservedLayout:
+    """Observations of every rank (or a sample of ranks), one per rank, in rank order.
+
+    ``observed == expected`` is True when :func:`meshsim.checks.diff` finds nothing, and pytest
+    explains a failing ``assert observed == expected`` with the diff.
+    """
+
+    observations: tuple[Observation, ...]
+
+    @classmethod
+    def of(
+        cls, observations: Iterable[Observation] | Observation | ObservedLayout
+    ) -> ObservedLayout:
+        if isinstance(observations, ObservedLayout):
+            return observations
+        if isinstance(observations, Observation):
+            return cls((observations,))
+        items = tuple(observations)
+        bad = [type(o).__name__ for o in items if not isinstance(o, Observation)]
+        if bad:
+            raise TypeError(
+                f"expected Observation objects (from meshsim.observe), got {sorted(set(bad))}"
+            )
+        return cls(tuple(sorted(items, key=lambda o: o.rank)))
+
+    def __iter__(self) -> Iterator[Observation]:
+        return iter(self.observations)
+
+    def __len__(self) -> int:
+        return len(self.observations)
+
+    def names(self) -> list[str]:
+        """Every group name observed on any rank, in first-seen order."""
+        seen: dict[str, None] = {}
+        for obs in self.observations:
+            seen.update(dict.fromkeys(obs.groups))
+            seen.update(dict.fromkeys(obs.absent))
+        return list(seen)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Expected):
+            return diff(self, other) is None
+        if isinstance(other, ObservedLayout):
+            return self.observations == other.observations
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)

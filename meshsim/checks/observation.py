@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,57 +64,3 @@ class Observation:
             self.coordinate if self.coordinate is not None else other.coordinate,
             tuple(sorted(set(self.absent) | set(other.absent))),
         )
-
-
-@dataclass(frozen=True)
-class ObservedLayout:
-    """Observations of every rank (or a sample of ranks), one per rank, in rank order.
-
-    ``observed == expected`` is True when :func:`meshsim.checks.diff` finds nothing, and pytest
-    explains a failing ``assert observed == expected`` with the diff.
-    """
-
-    observations: tuple[Observation, ...]
-
-    @classmethod
-    def of(
-        cls, observations: Iterable[Observation] | Observation | ObservedLayout
-    ) -> ObservedLayout:
-        if isinstance(observations, ObservedLayout):
-            return observations
-        if isinstance(observations, Observation):
-            return cls((observations,))
-        items = tuple(observations)
-        bad = [type(o).__name__ for o in items if not isinstance(o, Observation)]
-        if bad:
-            raise TypeError(
-                f"expected Observation objects (from meshsim.observe), got {sorted(set(bad))}"
-            )
-        return cls(tuple(sorted(items, key=lambda o: o.rank)))
-
-    def __iter__(self) -> Iterator[Observation]:
-        return iter(self.observations)
-
-    def __len__(self) -> int:
-        return len(self.observations)
-
-    def names(self) -> list[str]:
-        """Every group name observed on any rank, in first-seen order."""
-        seen: dict[str, None] = {}
-        for obs in self.observations:
-            seen.update(dict.fromkeys(obs.groups))
-            seen.update(dict.fromkeys(obs.absent))
-        return list(seen)
-
-    def __eq__(self, other: object) -> bool:
-        from meshsim.model.expected import Expected
-
-        if isinstance(other, Expected):
-            from meshsim.checks.diff import diff
-
-            return diff(self, other) is None
-        if isinstance(other, ObservedLayout):
-            return self.observations == other.observations
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]

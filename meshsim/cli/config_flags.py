@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from meshsim import options
 from meshsim.errors import LayoutError, UsageError
 from meshsim.model.conventions import CONVENTIONS, convention
 
@@ -177,7 +178,7 @@ def add_config_flags(
             shared.add_argument(
                 flag(degree),
                 dest=_DEGREE_PREFIX + degree,
-                type=_int_flag(degree),
+                type=options.integer(flag(degree), error=argparse.ArgumentTypeError),
                 metavar="N",
                 help=f"{text} ({_targets(frameworks, degree)})",
             )
@@ -200,18 +201,6 @@ def _targets(frameworks: Sequence[str], degree: str) -> str:
             key = f"mesh dim {degree}" if degree in ("tp", "cp", "pp", "dp") else None
         parts.append(f"{framework}: {key or 'inferred' if degree.startswith('dp') else key or '-'}")
     return "; ".join(parts)
-
-
-def _int_flag(name: str) -> Any:
-    def parse(text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag(name)} takes an integer, got {text!r}"
-            ) from None
-
-    return parse
 
 
 def native_settings(namespace: argparse.Namespace) -> dict[str, Any]:

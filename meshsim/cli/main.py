@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from meshsim import options
 from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
 from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
@@ -94,7 +95,18 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     from meshsim.cli import commands
     from meshsim.cli import sweep as sweeping
 
-    def sub(name: str, help_: str, run: Callable[[argparse.Namespace], int]) -> _Parser:
+    known = ", ".join(_frameworks())
+
+    def sub(
+        name: str,
+        help_: str,
+        run: Callable[[argparse.Namespace], int],
+        *,
+        framework: bool = True,
+        world: bool | None = True,
+    ) -> _Parser:
+        """A verb's parser: its FRAMEWORK positional and --world-size (required, optional or
+        None: not here) first, as every verb's --help lists them."""
         p = verbs.add_parser(
             name,
             help=help_,
@@ -104,17 +116,24 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.set_defaults(run=run)
+        if framework:
+            p.add_argument("framework", metavar="FRAMEWORK", help=f"one of: {known}")
+        if world is not None:
+            _world(p, required=world)
         return p
 
-    known = ", ".join(_frameworks())
+    def config_flags(p: _Parser, name: str) -> None:
+        """The named frameworks' own flags, only on the verb being parsed (the others' --help
+        stays short)."""
+        if verb == name and frameworks:
+            cf.add_config_flags(p, frameworks)
+
     show = sub(
         "show",
         "every group kind and role of one framework config: a table, a rank "
         "grid per kind, optionally a picture",
         commands.show,
     )
-    show.add_argument("framework", metavar="FRAMEWORK", help=f"one of: {known}")
-    _world(show)
     show.add_argument(
         "--gpus-per-node",
         type=_positive("--gpus-per-node"),
@@ -125,7 +144,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     show.add_argument(
         "--png", metavar="FILE", help="write the picture as PNG (needs meshsim[plot])"
     )
-    show.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _json(show)
     show.add_argument("--no-grid", action="store_true", help="table only, no rank grids")
     show.add_argument("--kinds", metavar="K,K", help="only these kinds (or roles), comma separated")
     show.add_argument(
@@ -146,39 +165,34 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         metavar="N",
         help="groups listed per kind in the table (default 3)",
     )
-    if verb == "show" and frameworks:
-        cf.add_config_flags(show, frameworks)
+    config_flags(show, "show")
 
     diff = sub(
         "diff",
         "where two conventions (or two configs of one) put different ranks "
         "together for the same degrees, role by role",
         commands.diff,
+        framework=False,
+        world=None,
     )
     diff.add_argument("a", metavar="A", help="FRAMEWORK[:key=value[:key=value]], e.g. megatron")
     diff.add_argument("b", metavar="B", help="e.g. megatron:order=tp-cp-pp-ep-dp or torchtitan")
     _world(diff)
-    diff.add_argument(
-        "--a-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config key for A only (repeatable)",
-    )
-    diff.add_argument(
-        "--b-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config key for B only (repeatable)",
-    )
-    diff.add_argument(
-        "--a-order", metavar="ORDER", help="Megatron order for A (= --a-set order=..)"
-    )
-    diff.add_argument(
-        "--b-order", metavar="ORDER", help="Megatron order for B (= --b-set order=..)"
-    )
-    diff.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    for side in ("a", "b"):
+        diff.add_argument(
+            f"--{side}-set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"a config key for {side.upper()} only (repeatable)",
+        )
+    for side in ("a", "b"):
+        diff.add_argument(
+            f"--{side}-order",
+            metavar="ORDER",
+            help=f"Megatron order for {side.upper()} (= --{side}-set order=..)",
+        )
+    _json(diff)
     diff.epilog = EPILOG + "\n\n" + DIFF_HELP
     if verb == "diff" and frameworks:
         cf.add_config_flags(diff, [cf.split_spec(f)[0] for f in frameworks], shared_only=True)
@@ -188,38 +202,25 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "build the framework's groups on N ranks and check every one against "
         "the reference (exit 0 pass, 1 mismatch)",
         commands.verify,
+        world=False,
     )
-    verify.add_argument("framework", metavar="FRAMEWORK", help=f"one of: {known}")
-    _world(verify, required=False)
-    verify.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="gloo",
-        help="fake (no communication), threaded, gloo (default) or nccl",
+    _tier(
+        verify,
+        "gloo",
+        "fake (no communication), threaded, gloo (default) or nccl",
+        "build groups with the real framework (its extra must be installed)",
     )
-    verify.add_argument(
-        "--real",
-        action="store_true",
-        help="build groups with the real framework (its extra must be installed)",
-    )
-    verify.add_argument(
-        "--timeout",
-        type=_positive_float("--timeout"),
-        default=120.0,
-        metavar="S",
-        help="seconds before the ranks are stopped (default 120)",
-    )
-    verify.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _timeout(verify, "seconds before the ranks are stopped (default 120)")
+    _json(verify)
     dataflow_cli.add_flag(verify)
-    if verb == "verify" and frameworks:
-        cf.add_config_flags(verify, frameworks)
+    config_flags(verify, "verify")
 
     sweep = sub(
         "sweep",
         "verify every valid layout of every (or the given) convention for a world size",
         sweeping.run,
+        framework=False,
     )
-    _world(sweep)
     sweep.add_argument(
         "--framework",
         action="append",
@@ -227,24 +228,19 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         dest="frameworks",
         help=f"only this convention (repeatable): {known}",
     )
-    sweep.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default=None,
-        help=f"default {sweeping.SWEEP_BACKEND!r} (gloo with --real): builds and checks every "
+    _tier(
+        sweep,
+        None,
+        f"default {sweeping.SWEEP_BACKEND!r} (gloo with --real): builds and checks every "
         "group of every layout without communicating. threaded and gloo also prove each group "
         "by an all-gather and cost several times more per layout; see --communicate",
-    )
-    sweep.add_argument(
-        "--real",
-        action="store_true",
-        help="build every layout with the installed framework's own code (default: every "
+        "build every layout with the installed framework's own code (default: every "
         "framework meshsim has an adapter for and finds installed); the way to put meshsim "
         "in a framework's CI",
     )
     sweep.add_argument(
         "--communicate",
-        type=_non_negative("--communicate"),
+        type=options.integer("--communicate", minimum=0, error=argparse.ArgumentTypeError),
         default=0,
         metavar="N",
         help="also run N evenly spaced layouts of each convention on threaded and gloo, "
@@ -256,7 +252,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="run each layout on fake, threaded and gloo; fail when any tier "
         "observes a different group anywhere",
     )
-    sweep.add_argument("--timeout", type=_positive_float("--timeout"), default=120.0, metavar="S")
+    _timeout(sweep)
     sweep.add_argument(
         "--json",
         nargs="?",
@@ -295,21 +291,20 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "hand-off) agree where they overlap: data ranks, names, communicators",
         agreement.run,
     )
-    meshes.add_argument("framework", metavar="FRAMEWORK", help=f"one of: {known}")
-    _world(meshes)
     agreement.add_arguments(meshes)
-    if verb == "meshes" and frameworks:
-        cf.add_config_flags(meshes, frameworks)
+    config_flags(meshes, "meshes")
 
     listing = sub(
         "list",
         "the conventions meshsim knows: their config keys (with defaults) and their kinds",
         commands.list_conventions,
+        framework=False,
+        world=None,
     )
     listing.add_argument(
         "frameworks", nargs="*", metavar="FRAMEWORK", help=f"only these (default all): {known}"
     )
-    listing.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _json(listing, "text")
     return parser
 
 
@@ -337,42 +332,29 @@ def _world(parser: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _positive(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} takes an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
-
-    return parse
+    return options.integer(name, minimum=1, error=argparse.ArgumentTypeError)
 
 
-def _non_negative(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} takes an integer, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-
-    return parse
+def _json(parser: argparse.ArgumentParser, instead: str = "tables") -> None:
+    parser.add_argument("--json", action="store_true", help=f"print JSON instead of {instead}")
 
 
-def _positive_float(name: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} takes seconds, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
-        return value
+def _tier(
+    parser: argparse.ArgumentParser, default: str | None, backend_help: str, real_help: str
+) -> None:
+    """--backend and --real: which tier builds the groups, with the verb's own default."""
+    parser.add_argument("--backend", choices=BACKENDS, default=default, help=backend_help)
+    parser.add_argument("--real", action="store_true", help=real_help)
 
-    return parse
+
+def _timeout(parser: argparse.ArgumentParser, help_: str | None = None) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=options.seconds("--timeout", error=argparse.ArgumentTypeError),
+        default=120.0,
+        metavar="S",
+        help=help_,
+    )
 
 
 def _frameworks() -> list[str]:

@@ -2,58 +2,21 @@
 
 from __future__ import annotations
 
-import colorsys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
+from meshsim.cli.colours import RGB, group_colour, text_colour
+from meshsim.cli.render import KindRow, grid_columns, owners
 from meshsim.errors import UsageError
 
-if TYPE_CHECKING:
-    from meshsim.cli.render import KindRow
-
-RGB = tuple[int, int, int]
-
-# Tableau 10: distinct and readable for up to ten groups; more groups walk the hue circle.
-_TABLEAU: tuple[RGB, ...] = (
-    (78, 121, 167),
-    (242, 142, 43),
-    (225, 87, 89),
-    (118, 183, 178),
-    (89, 161, 79),
-    (237, 201, 72),
-    (176, 122, 161),
-    (255, 157, 167),
-    (156, 117, 95),
-    (186, 176, 172),
-)
 _NONE_FILL = "#f4f4f4"
 _CROSS = "#c00000"
 _MAX_WIDTH = 1500
 #: Largest world a picture draws (every rank is a cell in every panel).
 PICTURE_LIMIT = 4096
-
-
-def group_colour(index: int, count: int) -> RGB:
-    """Colour of group ``index`` of ``count``: neighbours differ in hue and lightness.
-
-    Example: ``group_colour(0, 2)`` is Tableau blue ``(78, 121, 167)``.
-    """
-    if count <= len(_TABLEAU):
-        return _TABLEAU[index % len(_TABLEAU)]
-    hue = (index * 0.618033988749895) % 1.0  # golden-ratio steps spread any count evenly
-    light = (0.62, 0.48, 0.72)[index % 3]
-    r, g, b = colorsys.hls_to_rgb(hue, light, 0.62)
-    return round(r * 255), round(g * 255), round(b * 255)
-
-
-def text_colour(rgb: RGB) -> str:
-    """Black on light cells, white on dark ones."""
-    luminance = (0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]) / 255
-    return "black" if luminance > 0.55 else "white"
 
 
 def _hex(rgb: RGB) -> str:
@@ -115,8 +78,6 @@ def scene(
 
     ``footer`` lines (the kinds the framework refuses under this config) go under the panels.
     """
-    from meshsim.cli.render import grid_columns, owners
-
     if world > PICTURE_LIMIT:
         raise UsageError(
             f"a picture draws every rank; world size {world} is over {PICTURE_LIMIT} "

@@ -16,7 +16,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-from meshsim.cli.picture import group_colour, text_colour
+from meshsim.cli.colours import group_colour, text_colour
 from meshsim.model.expected import Expected
 from meshsim.model.groups import Groups, format_groups
 from meshsim.model.invariants import crossing_groups

@@ -109,21 +109,21 @@ def sample_ids(batch: Any) -> tuple[SampleId, ...]:
 def _plain(item: Any) -> SampleId:
     if hasattr(item, "item") and getattr(item, "shape", None) in ((), []):
         return item.item()  # a 0-d tensor / numpy scalar id
-    if hasattr(item, "shape"):
-        return _fingerprint(item)
-    if not isinstance(item, Hashable):
-        raise UsageError(f"sample id {item!r} is not hashable")
-    return item
+    return _key(item, "sample id", "")
 
 
 def _label(chunk: Any) -> Hashable:
-    if hasattr(chunk, "shape"):
-        return _fingerprint(chunk)
-    if isinstance(chunk, list):
-        return tuple(chunk)
-    if not isinstance(chunk, Hashable):
-        raise UsageError(f"chunk {chunk!r} is not hashable; give a tuple, an int or a tensor")
-    return chunk
+    hint = "; give a tuple, an int or a tensor"
+    return _key(tuple(chunk) if isinstance(chunk, list) else chunk, "chunk", hint)
+
+
+def _key(value: Any, what: str, hint: str) -> Hashable:
+    """``value`` as a dict key: a tensor or array by its content, anything else as it is."""
+    if hasattr(value, "shape"):
+        return _fingerprint(value)
+    if not isinstance(value, Hashable):
+        raise UsageError(f"{what} {value!r} is not hashable{hint}")
+    return value
 
 
 def _fingerprint(row: Any) -> str:

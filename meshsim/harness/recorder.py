@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from meshsim import torch_private
 from meshsim.harness.outcome import format_group
+from meshsim.harness.peer import peer_ops
 
 # c10d entry points that are collective over their group.
 COLLECTIVES = (
@@ -192,8 +193,6 @@ def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: d
         detail = None
         messages: tuple[Any, ...] = ()
         if kind == "p2p":
-            from meshsim.harness.p2p import peer_ops
-
             messages = peer_ops(op, bound)
             peer = next(
                 (
