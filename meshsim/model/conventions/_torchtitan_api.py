@@ -25,15 +25,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from itertools import combinations
-from typing import TYPE_CHECKING, Final
+from typing import Any, Final, Protocol
 
 from meshsim.errors import LayoutError
 from meshsim.model.expected import Kind
 from meshsim.model.groups import Groups
 from meshsim.model.layout import Layout
 
-if TYPE_CHECKING:
-    from meshsim.model.conventions.torchtitan import _Views
+
+class _Views(Protocol):
+    """What the getters read of the reference's views (``torchtitan._Views``), declared here
+    so that this module needs nothing of the reference (which imports it)."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def world(self) -> Layout: ...
+    @property
+    def single(self) -> dict[str, Layout]: ...
+    @property
+    def global_meshes(self) -> dict[str, Layout]: ...
+    @property
+    def memo(self) -> dict[Any, Any]: ...
+    def exists(self, axis: str) -> bool: ...
+    def backends(self, mesh: Layout) -> tuple[str | None, ...]: ...
+
 
 SINGLETONS: Final = "include_singleton_axes=True"
 #: Every single-axis name some 0.3.0 backend registers, in registration order, then ``world``

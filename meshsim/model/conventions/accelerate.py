@@ -28,12 +28,11 @@ which the loader then divides by.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
-from meshsim.model.conventions._accelerate_configs import configs as configs
+from meshsim.model.conventions import _accelerate_configs, reject_unknown
 from meshsim.model.conventions._accelerate_configs import refused_configs as refused_configs
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
@@ -72,6 +71,15 @@ FLATTENS: Final[Mapping[str, tuple[str, ...]]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 _SIZES: Final = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+
+
+def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
+    """Every ``(dp_replicate, dp_shard, cp, tp)`` split of the world (sizes of 1 left out) that
+    accelerate accepts, under the default distributed type and under each other one, in 1.15 and
+    (``versions=`` to restrict) 1.10; then DeepSpeed ``sp_size`` and AutoTP ``autotp_size`` for
+    every divisor, and ``dispatch_batches`` with FSDP x TP and FSDP x CP splits. World 8 gives
+    50 configs; :func:`refused_configs` lists rejected ones."""
+    return _accelerate_configs.configs(world_size, expect, DISTRIBUTED_TYPES, **options)
 
 
 def expect(world_size: int, **config: Any) -> Expected:

@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from meshsim.errors import LayoutError
 from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions._olmo_core_configs import DP_TYPES as _DP_TYPES
 from meshsim.model.conventions._olmo_core_configs import configs as configs
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.layout import Layout
@@ -39,7 +40,6 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "expert_mesh_ep": "also build_expert_parallel_mesh with this degree (< 0: the whole world)",
 }
 
-_DP_TYPES: Final = ("ddp", "fsdp", "hsdp")
 _CONFIG_CLASS: Final = {
     "pp": "PipelineParallelConfig",
     "cp": "ContextParallelConfig",
