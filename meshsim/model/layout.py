@@ -56,7 +56,7 @@ class Layout:
         dims: tuple[str, ...],
         aliases: Mapping[str, tuple[int, ...]],
         *,
-        named: bool,
+        named: bool = True,
     ) -> None:
         grid.flags.writeable = False
         self._grid = grid
@@ -68,17 +68,10 @@ class Layout:
         self._identity: bool | None = None
 
     @classmethod
-    def _make(
-        cls,
-        grid: npt.NDArray[np.int64],
-        names: tuple[str, ...],
-        dims: tuple[str, ...],
-        aliases: Mapping[str, tuple[int, ...]],
-        *,
-        named: bool = True,
-    ) -> Layout:
+    def _make(cls, *state: Any, **options: Any) -> Layout:
+        """A Layout from :meth:`_init`'s arguments, past ``__init__``'s axis parsing."""
         layout = cls.__new__(cls)
-        layout._init(grid, names, dims, aliases, named=named)
+        layout._init(*state, **options)
         return layout
 
     @classmethod

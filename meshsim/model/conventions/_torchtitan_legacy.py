@@ -129,14 +129,18 @@ LEGACY_DESCRIPTIONS: Final[Mapping[str, str]] = {
     "dp_cp": "flatten(dp_replicate, dp_shard, cp): loss all-reduce",
     "ep": "expert parallel: flatten(dp_shard_in_ep, cp[, tp when etp == 1])",
 }
-LEGACY_ROLES: Final[Mapping[str, str]] = {
-    "data_parallel": "dp",
-    "gradient_reduce": "dp_cp",  # HSDP replicates over dp_replicate and shards over dp_shard_cp
-    "loss": "dp_cp",
+#: The roles every torchtitan version gives the axis of the same name.
+AXIS_ROLES: Final[Mapping[str, str]] = {
     "tensor": "tp",
     "context": "cp",
     "pipeline": "pp",
     "expert": "ep",
+}
+LEGACY_ROLES: Final[Mapping[str, str]] = {
+    "data_parallel": "dp",
+    "gradient_reduce": "dp_cp",  # HSDP replicates over dp_replicate and shards over dp_shard_cp
+    "loss": "dp_cp",
+    **AXIS_ROLES,
     "expert_data": "dp_shard_mod_ep",
 }
 
@@ -213,10 +217,7 @@ HYPER_ROLES: Final[Mapping[str, str]] = {
     "data_parallel": "dp",
     "gradient_reduce": "loss",
     "loss": "loss",
-    "tensor": "tp",
-    "context": "cp",
-    "pipeline": "pp",
-    "expert": "ep",
+    **AXIS_ROLES,
 }
 
 

@@ -53,25 +53,18 @@ PARAMETERS: Final[Mapping[str, str]] = {
 #: Roles per variant. Both feed DeepSpeed ``get_sequence_data_parallel_group()`` (seq_dp) for
 #: gradients and ZeRO; the logged loss is averaged over ``get_data_parallel_group()``, which is
 #: dp upstream and seq_dp in the Habana 2024 line.
+_UPSTREAM_ROLES: Final[Mapping[str, str]] = {
+    "data_parallel": "dp",
+    "gradient_reduce": "seq_dp",
+    "tensor": "tp",
+    "context": "sp",
+    "pipeline": "pp",
+    "embedding": "embedding",
+    "loss": "dp",
+}
 ROLES: Final[Mapping[str, Mapping[str, str]]] = {
-    "upstream": {
-        "data_parallel": "dp",
-        "gradient_reduce": "seq_dp",
-        "tensor": "tp",
-        "context": "sp",
-        "pipeline": "pp",
-        "embedding": "embedding",
-        "loss": "dp",
-    },
-    "habana-2024": {
-        "data_parallel": "dp",
-        "gradient_reduce": "seq_dp",
-        "tensor": "tp",
-        "context": "sp",
-        "pipeline": "pp",
-        "embedding": "embedding",
-        "loss": "seq_dp",
-    },
+    "upstream": _UPSTREAM_ROLES,
+    "habana-2024": {**_UPSTREAM_ROLES, "loss": "seq_dp"},
 }
 
 #: kind -> what hands it out, per variant (the getter, or the module global it stays in).

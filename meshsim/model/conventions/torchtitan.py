@@ -32,6 +32,7 @@ from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import _torchtitan_api as api
 from meshsim.model.conventions import reject_unknown
 from meshsim.model.conventions._torchtitan_legacy import (
+    AXIS_ROLES,
     Degrees,
     check,
     hyper_parallel,
@@ -89,10 +90,7 @@ _ROLES: Final[Mapping[str, str]] = {
     "data_parallel": "batch",
     "gradient_reduce": "loss",
     "loss": "loss",
-    "tensor": "tp",
-    "context": "cp",
-    "pipeline": "pp",
-    "expert": "ep",
+    **AXIS_ROLES,
     "expert_data": "efsdp",
 }
 
