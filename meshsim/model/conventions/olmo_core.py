@@ -132,7 +132,20 @@ def _normalize(config: Mapping[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _world_dims(world_size: int, cfg: Mapping[str, Any]) -> list[tuple[str, int]]:
+def world_dims(world_size: int, config: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """``build_world_mesh``'s checks, in OLMo's order, and its world mesh's (name, size) dims.
+
+    An HSDP split that does not cover the DP world passes: OLMo hands it to torch unchecked,
+    and a builder lets torch refuse it (:func:`expect` refuses it itself, see
+    :func:`_split_error`). Example: world 8, ``dp="hsdp", num_replicas=2, cp=2`` gives
+    ``[("dp_replicate", 2), ("dp_shard", 2), ("cp", 2)]``.
+    """
+    return _world_dims(world_size, _normalize(config), split_checked=False)
+
+
+def _world_dims(
+    world_size: int, cfg: Mapping[str, Any], *, split_checked: bool = True
+) -> list[tuple[str, int]]:
     """``build_world_mesh``: validation in OLMo's order, then the dims of the present configs."""
     dp, pp, cp, tp, ep = cfg["dp"], cfg["pp"], cfg["cp"], cfg["tp"], cfg["ep"]
     if dp is None and pp is None and cp is None and tp is None and ep is None:
@@ -172,7 +185,8 @@ def _world_dims(world_size: int, cfg: Mapping[str, Any]) -> list[tuple[str, int]
     else:
         dims.append(("dp", dp_world))
     dims += [(key, degree) for key, degree in (("cp", cp), ("tp", tp)) if degree is not None]
-    if split is not None and split[0] * split[1] != dp_world:  # checked by init_device_mesh
+    # OLMo leaves this to init_device_mesh; the reference says what torch then raises.
+    if split_checked and split is not None and split[0] * split[1] != dp_world:
         raise _split_error(world_size, dp_world, dims, split)
     return dims
 
@@ -258,6 +272,12 @@ def _split_error(
 
 def _expert_root(world_size: int, degree: int) -> Layout:
     """``build_expert_parallel_mesh``: (ep_replicate, ep_shard) = (world / ep, ep)."""
+    return Layout(expert_dims(world_size, degree))
+
+
+def expert_dims(world_size: int, degree: int) -> list[tuple[str, int]]:
+    """``build_expert_parallel_mesh``'s checks and its mesh's dims: world 8, degree 2 gives
+    ``[("ep_replicate", 4), ("ep_shard", 2)]``; a degree < 0 is the whole world."""
     ep = world_size if degree < 0 else degree
     if ep == 0:
         raise LayoutError(
@@ -269,7 +289,7 @@ def _expert_root(world_size: int, degree: int) -> Layout:
             f"Expert parallelism requires world size ({world_size}) to be divisible by 'degree' "
             f"({ep})"
         )
-    return Layout([("ep_replicate", world_size // ep), ("ep_shard", ep)])
+    return [("ep_replicate", world_size // ep), ("ep_shard", ep)]
 
 
 # -- the getters, on a Layout standing for the mesh -----------------------------------------------
