@@ -91,21 +91,9 @@ def expect(world_size: int, **config: Any) -> Expected:
     ``[(0, 4), (1, 5), (2, 6), (3, 7)]``, the mesh's ``dp``.
     """
     reject_unknown("accelerate", config, PARAMETERS)
-    cfg = _normalize(config)
-    _validate_config(cfg)
-    dims = [(d, cfg[f"{d}_size"]) for d in MESH_ORDER if cfg[f"{d}_size"] > 1]
-    total = math.prod(cfg[k] for k in _SIZES)
-    built = bool(dims) and not (cfg["version"] == "1.15" and cfg["sp_size"] > 1)
-    if built and total > world_size:
-        raise LayoutError(
-            f"ParallelismConfig total_size {total} > world size {world_size}: "
-            f"init_device_mesh refuses the {tuple(n for n, _ in dims)} = "
-            f"{tuple(s for _, s in dims)} mesh (Mesh should not be bigger than default world size)",
-            upstream="RuntimeError",
-        )
-    _validate_accelerator(world_size, cfg, total)
-    _validate_autotp(world_size, cfg)
-    root = Layout(dims) if built else None
+    cfg = validate(world_size, config)
+    dims = _mesh_dims(cfg)
+    root = None if dims is None else Layout(dims)
     kinds = _mesh_kinds(root)
     if cfg["distributed_type"] == "FSDP":
         kinds["fsdp_mesh"] = _fsdp_kind(world_size, root)
@@ -141,6 +129,40 @@ def expect(world_size: int, **config: Any) -> Expected:
     roles = _roles(kinds)
     normal = {k: v for k, v in cfg.items() if v is not None}
     return Expected("accelerate", world_size, normal, kinds.values(), roles, layout=root)
+
+
+def validate(world_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    """accelerate's checks of ``config``, in its order: ``ParallelismConfig.__post_init__``,
+    ``AcceleratorState``'s CP check, ``init_device_mesh``'s size check,
+    ``_validate_accelerator`` and ``_prepare_deepspeed``'s AutoTP mesh.
+
+    Returns the config with every key present, ``version`` spelled ``"1.15"``/``"1.10"``, sizes
+    of None as 1 and ``distributed_type`` resolved: world 8, ``tp_size=2, dp_shard_size=4``
+    gives ``distributed_type`` ``"FSDP"``. Raises the LayoutError naming accelerate's exception.
+    """
+    cfg = _normalize(config)
+    _validate_config(cfg)
+    dims = _mesh_dims(cfg)
+    total = math.prod(cfg[k] for k in _SIZES)
+    if dims is not None and total > world_size:
+        raise LayoutError(
+            f"ParallelismConfig total_size {total} > world size {world_size}: "
+            f"init_device_mesh refuses the {tuple(n for n, _ in dims)} = "
+            f"{tuple(s for _, s in dims)} mesh (Mesh should not be bigger than default world size)",
+            upstream="RuntimeError",
+        )
+    _validate_accelerator(world_size, cfg, total)
+    _validate_autotp(world_size, cfg)
+    return cfg
+
+
+def _mesh_dims(cfg: Mapping[str, Any]) -> list[tuple[str, int]] | None:
+    """``build_device_mesh``'s kept dims; None when it builds no mesh (every size 1, or
+    DeepSpeed SP in 1.15, which makes its own groups)."""
+    dims = [(d, cfg[f"{d}_size"]) for d in MESH_ORDER if cfg[f"{d}_size"] > 1]
+    if not dims or (cfg["version"] == "1.15" and cfg["sp_size"] > 1):
+        return None
+    return dims
 
 
 def version_of(config: Mapping[str, Any]) -> str:
