@@ -96,14 +96,8 @@ def _flatten_dims(
     root: DeviceMesh, *dims: str, name: str, names: Names
 ) -> tuple[DeviceMesh, Names]:
     """OLMo's ``_flatten_dims``: flatten on the root, rename, check the root knows the names."""
-    out: list[str] = []
-    for n in names:
-        if n not in dims:
-            out.append(n)
-        elif name not in out:
-            out.append(name)
+    new_names = olmo_core.flattened_names(names, dims, name)
     torch_private.flatten(root[dims], name)
-    new_names = tuple(out)
     try:
         root[new_names]
     except KeyError as exc:

@@ -67,6 +67,30 @@ VIEW_DIMS: Final[Mapping[str, tuple[str, ...]]] = {
     "spmd_dense_for_fwdbwd": ("dp", "cp", "tp"),
     "spmd_sparse_for_fwdbwd": ("dp_replicate", "efsdp", "ep"),
 }
+#: ``build_mesh``'s ``_single_axis_meshes`` that every backend registers: axis -> the global
+#: view it is sliced from and its dim there (None: the whole 1-D view). ``etp``, ``dp`` and
+#: ``fsdp`` or ``dp_shard`` follow, by version and backend.
+SINGLE_AXIS_VIEWS: Final[Mapping[str, tuple[str, str | None]]] = {
+    "pp": ("dataloading", "pp"),
+    "batch": ("dataloading", "batch"),
+    "loss": ("loss", None),
+    "dp_replicate": ("dense", "dp_replicate"),
+    "cp": ("dataloading", "cp"),
+    "tp": ("dataloading", "tp"),
+    "ep": ("sparse", "ep"),
+    "efsdp": ("sparse", "efsdp"),
+}
+
+
+def single_axis_meshes(views: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`SINGLE_AXIS_VIEWS` sliced from ``views`` (Layouts here, live DeviceMeshes in
+    the builder): one statement of where each axis comes from."""
+    return {
+        axis: views[view] if dim is None else views[view][dim]
+        for axis, (view, dim) in SINGLE_AXIS_VIEWS.items()
+    }
+
+
 #: ``build_mesh``'s candidate SPMD axes, dense per backend, then sparse.
 DENSE_SPMD_AXES: Final[Mapping[str, tuple[str, ...]]] = {
     "spmd_types": ("dp", "cp", "tp"),

@@ -145,14 +145,8 @@ LEGACY_ROLES: Final[Mapping[str, str]] = {
 }
 
 
-def legacy(d: Degrees) -> tuple[dict[str, Kind], dict[str, str], Layout | None]:
-    """Legacy ``ParallelDims.build_mesh``: (pp, dp_replicate, dp_shard, cp, tp), degree > 1 only.
-
-    With ep > 1, dp_shard is split into dp_shard_mod_ep (always kept) x dp_shard_in_ep, and
-    ``ep`` = flatten(dp_shard_in_ep, cp[, tp]). Example: world 8, dp_shard=4, tp=2, ep=4, etp=1
-    has root (dp_shard_mod_ep, dp_shard_in_ep, tp) = (2, 2, 2) and ep groups (0, 1, 2, 3), (4, 5,
-    6, 7).
-    """
+def validate_legacy(d: Degrees) -> None:
+    """Legacy ``build_mesh``'s EP checks: etp is 1 or tp, and EP's share of dp_shard is whole."""
     check(d.ep == 1 or d.etp in (1, d.tp), "Currently we only support ETP=TP or ETP=1")
     if d.ep > 1 and d.etp == d.tp:  # EP borrows all of cp and some of dp_shard
         check(
@@ -166,6 +160,17 @@ def legacy(d: Degrees) -> tuple[dict[str, Kind], dict[str, str], Layout | None]:
             f"legacy EP with etp == 1 needs ep % (cp * tp) == 0 and (dp_shard * cp * tp) % ep == "
             f"0; got ep={d.ep}, cp={d.cp}, tp={d.tp}, dp_shard={d.dp_shard}",
         )
+
+
+def legacy(d: Degrees) -> tuple[dict[str, Kind], dict[str, str], Layout | None]:
+    """Legacy ``ParallelDims.build_mesh``: (pp, dp_replicate, dp_shard, cp, tp), degree > 1 only.
+
+    With ep > 1, dp_shard is split into dp_shard_mod_ep (always kept) x dp_shard_in_ep, and
+    ``ep`` = flatten(dp_shard_in_ep, cp[, tp]). Example: world 8, dp_shard=4, tp=2, ep=4, etp=1
+    has root (dp_shard_mod_ep, dp_shard_in_ep, tp) = (2, 2, 2) and ep groups (0, 1, 2, 3), (4, 5,
+    6, 7).
+    """
+    validate_legacy(d)
     if d.ep > 1:
         borrowed = d.cp if d.etp == d.tp else d.cp * d.tp
         sizes = [

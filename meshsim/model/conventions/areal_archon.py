@@ -148,15 +148,8 @@ def expect(world_size: int, **config: Any) -> Expected:
         for dim in root.root_names
     ]
     for alias, view in flat.items():
-        kinds.append(
-            Kind(
-                alias,
-                f"_flatten of {' x '.join(root.aliases[alias])}: {_PURPOSES[alias]}",
-                lambda view=view: view.groups(),
-                mesh_dims=(alias,),
-                mesh_shape=(view.size,),
-            )
-        )
+        axes = " x ".join(root.aliases[alias])
+        kinds.append(layout_kind(view, alias, f"_flatten of {axes}: {_PURPOSES[alias]}"))
     if cfg["ep"] > 1 and cfg["etp"] == cfg["tp"]:
         view = root["ep", "tp"]
         kinds.append(
@@ -179,8 +172,7 @@ def expect(world_size: int, **config: Any) -> Expected:
         "pipeline": "pp",
     }
     if cfg["ep"] > 1:
-        roles["expert"] = "ep"
-        roles["expert_data"] = "dp_shard_mod_ep"
+        roles |= {"expert": "ep", "expert_data": "dp_shard_mod_ep"}
     return Expected("areal-archon", world_size, cfg, kinds, roles, layout=root)
 
 

@@ -195,17 +195,11 @@ def expect(world_size: int, **config: Any) -> Expected:
         layout_kind(root, dim, f"root dim {dim!r}: {_PURPOSES[dim]}", dim)
         for dim in root.root_names
     ]
-    for alias, axes in root.aliases.items():
-        view = root[alias]  # every AReaL FSDP flatten is contiguous: slicing it back is allowed
-        kinds.append(
-            Kind(
-                alias,
-                f"_flatten of {' x '.join(axes)}: {_PURPOSES[alias]}",
-                lambda view=view: view.groups(),
-                mesh_dims=(alias,),
-                mesh_shape=(view.size,),
-            )
-        )
+    # Every AReaL FSDP flatten is contiguous: slicing it back off the root is allowed.
+    kinds += [
+        layout_kind(root[alias], alias, f"_flatten of {' x '.join(axes)}: {_PURPOSES[alias]}")
+        for alias, axes in root.aliases.items()
+    ]
     roles = {
         "data_parallel": "dp",
         # fully_shard(mesh=dp_sp): gradients are reduce-scattered over data and Ulysses ranks.
@@ -216,8 +210,7 @@ def expect(world_size: int, **config: Any) -> Expected:
         "context": "sp",
     }
     if cfg["expert_parallel_size"] > 1:
-        roles["expert"] = "ep"
-        roles["expert_data"] = "dp_mod_ep"
+        roles |= {"expert": "ep", "expert_data": "dp_mod_ep"}
     return Expected("areal-fsdp", world_size, cfg, kinds, roles, layout=root)
 
 

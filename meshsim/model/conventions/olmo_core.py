@@ -296,16 +296,22 @@ def expert_dims(world_size: int, degree: int) -> list[tuple[str, int]]:
 Names = tuple[str, ...]
 
 
-def _flatten_dims(root: Layout, dims: Names, name: str, names: Names) -> tuple[Layout, Names]:
-    """``_flatten_dims``: register ``name`` on the root, and rename ``dims`` in ``names``."""
-    root = root[dims].flatten(name=name).root()
+def flattened_names(names: Names, dims: Names, name: str) -> Names:
+    """``_flatten_dims``' renaming: ``dims`` in ``names`` become one ``name`` where the first
+    of them stood: ``("dp_replicate", "dp_shard", "cp")`` with ``("dp_shard", "cp")`` flattened
+    to ``"dp_cp"`` reads ``("dp_replicate", "dp_cp")``."""
     out: list[str] = []
     for n in names:
         if n not in dims:
             out.append(n)
         elif name not in out:
             out.append(name)
-    return root, tuple(out)
+    return tuple(out)
+
+
+def _flatten_dims(root: Layout, dims: Names, name: str, names: Names) -> tuple[Layout, Names]:
+    """``_flatten_dims``: register ``name`` on the root, and rename ``dims`` in ``names``."""
+    return root[dims].flatten(name=name).root(), flattened_names(names, dims, name)
 
 
 def _fold_ep(root: Layout, names: Names) -> tuple[Layout, Names]:
