@@ -31,9 +31,11 @@ from meshsim.builders._common import (
     flatten,
     mesh,
     new_groups,
+    reference_rules,
     require,
 )
 from meshsim.checks import Observation
+from meshsim.model.conventions import _megatron_config
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _TOKENS = ("tp", "pp", "dp", "ep", "cp")
@@ -193,54 +195,17 @@ def _device_type() -> str:
 def _validate(
     world_size: int, config: Mapping[str, Any]
 ) -> tuple[tuple[int, int, int, int], DeviceMesh, DeviceMesh]:
-    """Megatron's checks in its order; (dp, cp, edp, instances) and the two generator meshes."""
+    """Megatron's checks in its order (the convention's statement of them); (dp, cp, edp,
+    instances) and the two generator meshes, built live from the sizes."""
     order = config.get("order") or DEFAULT_ORDER
-    tp = degree(config, "tensor_model_parallel_size")
-    pp = degree(config, "pipeline_model_parallel_size")
-    cp = degree(config, "context_parallel_size")
-    ep = degree(config, "expert_model_parallel_size")
-    etp = degree(config, "expert_tensor_parallel_size", tp)
-    instances = degree(config, "num_distributed_optimizer_instances")
-    vpp = config.get("virtual_pipeline_model_parallel_size")
-    hcp = tuple(config.get("hierarchical_context_parallel_sizes") or ())
-
-    require(
-        world_size % (tp * pp * cp) == 0,
-        f"world_size ({world_size}) is not divisible by {tp * pp * cp}",
-        "RuntimeError",
+    with reference_rules():
+        sizes, _, _ = _megatron_config.validate(world_size, config, order)
+    tp, pp, cp, ep, etp = sizes.tp, sizes.pp, sizes.cp, sizes.ep, sizes.etp
+    decoder = generator_mesh(order, {"tp": tp, "pp": pp, "dp": sizes.dp, "ep": 1, "cp": cp})
+    expert = generator_mesh(
+        order, {"tp": etp, "pp": pp, "dp": sizes.edp, "ep": ep, "cp": 1}, "expert:"
     )
-    dp = world_size // (tp * pp * cp)
-    require(
-        vpp is None or pp > 1,
-        "pipeline-model-parallel size should be greater than 1 with interleaved schedule",
-        "RuntimeError",
-    )
-    decoder = generator_mesh(order, {"tp": tp, "pp": pp, "dp": dp, "ep": 1, "cp": cp})
-    require(
-        world_size % (etp * ep * pp) == 0,
-        f"world_size ({world_size}) is not divisible by expert_tensor_model_pipeline_parallel "
-        f"size ({etp * ep * pp})",
-        "RuntimeError",
-    )
-    edp = world_size // (etp * ep * pp)
-    expert = generator_mesh(order, {"tp": etp, "pp": pp, "dp": edp, "ep": ep, "cp": 1}, "expert:")
-    require(
-        order.endswith("pp") or pp == 1 or edp == dp,
-        "When not using pp-last rank ordering, the data parallel size of the attention and moe "
-        "layers must be the same",
-    )
-    require(
-        sorted(all_groups(decoder, ["pp"])) == sorted(all_groups(expert, ["expert:pp"])),
-        "Pipeline parallel groups are expected to be the same for Non-Expert and Expert part",
-    )
-    require((dp * cp) % instances == 0, "dp*cp must be divisible by the optimizer instances")
-    require(
-        not config.get("hybrid_context_parallel") or (dp * cp) % 2 == 0,
-        "hybrid context parallel needs an even dp*cp",
-    )
-    require(not hcp or math.prod(hcp) == cp, "hierarchical CP sizes must multiply to CP")
-    require(edp % instances == 0, "expert dp must be divisible by the optimizer instances")
-    return (dp, cp, edp, instances), decoder, expert
+    return (sizes.dp, cp, sizes.edp, sizes.instances), decoder, expert
 
 
 def _token_mesh(root: DeviceMesh, token: str, prefix: str = "") -> DeviceMesh:

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from meshsim.errors import LayoutError
 from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions.areal_fsdp import engine_roles
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import divisors, ordered_factorizations
@@ -161,18 +162,13 @@ def expect(world_size: int, **config: Any) -> Expected:
                 mesh_shape=view.shape,
             )
         )
-    roles = {
-        "data_parallel": "dp",
+    roles = engine_roles(
         # apply_fsdp(dp_shard_cp): dense gradients are reduce-scattered over dp_shard x cp.
-        "gradient_reduce": "dp_shard_cp",
-        # compute_total_loss_weight and the loss multiplier use data_parallel_group ('dp').
-        "loss": "dp",
-        "tensor": "tp",
-        "context": "cp",
-        "pipeline": "pp",
-    }
-    if cfg["ep"] > 1:
-        roles |= {"expert": "ep", "expert_data": "dp_shard_mod_ep"}
+        gradient_reduce="dp_shard_cp",
+        context="cp",
+        pipeline="pp",
+        expert_data="dp_shard_mod_ep" if cfg["ep"] > 1 else None,
+    )
     return Expected("areal-archon", world_size, cfg, kinds, roles, layout=root)
 
 

@@ -200,18 +200,33 @@ def expect(world_size: int, **config: Any) -> Expected:
         layout_kind(root[alias], alias, f"_flatten of {' x '.join(axes)}: {_PURPOSES[alias]}")
         for alias, axes in root.aliases.items()
     ]
+    roles = engine_roles(
+        # fully_shard(mesh=dp_sp): gradients are reduce-scattered over data and Ulysses ranks.
+        gradient_reduce="dp_sp",
+        context="sp",
+        expert_data="dp_mod_ep" if cfg["expert_parallel_size"] > 1 else None,
+    )
+    return Expected("areal-fsdp", world_size, cfg, kinds, roles, layout=root)
+
+
+def engine_roles(
+    *, gradient_reduce: str, context: str, expert_data: str | None, pipeline: str | None = None
+) -> dict[str, str]:
+    """The roles of an AReaL engine's mesh (this one's and Archon's): both compute the loss
+    weight over data_parallel_group ('dp') and shard the model over 'tp'; the expert roles
+    exist with EP only (``expert_data`` None without it)."""
     roles = {
         "data_parallel": "dp",
-        # fully_shard(mesh=dp_sp): gradients are reduce-scattered over data and Ulysses ranks.
-        "gradient_reduce": "dp_sp",
-        # compute_total_loss_weight all-reduces token counts over dp_group.
+        "gradient_reduce": gradient_reduce,
         "loss": "dp",
         "tensor": "tp",
-        "context": "sp",
+        "context": context,
     }
-    if cfg["expert_parallel_size"] > 1:
-        roles |= {"expert": "ep", "expert_data": "dp_mod_ep"}
-    return Expected("areal-fsdp", world_size, cfg, kinds, roles, layout=root)
+    if pipeline is not None:
+        roles["pipeline"] = pipeline
+    if expert_data is not None:
+        roles |= {"expert": "ep", "expert_data": expert_data}
+    return roles
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
