@@ -27,7 +27,6 @@ from meshsim.builders._common import (
     FrameworkRejection,
     all_groups,
     collect,
-    degree,
     flatten,
     mesh,
     new_groups,
@@ -96,7 +95,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     for token in _EXPERT:
         entries[f"expert:{token}"] = _token_mesh(expert, token, "expert:")
     entries.update(_partial_expert_groups(expert, edp, instances))
-    entries = _with_twins(entries, config, decoder, expert, dp * cp // instances)
+    entries = _with_twins(entries, config, decoder, expert, instances)
     if config.get("hyper_comm_grid"):
         entries.update(_grid_groups(world_size, config["hyper_comm_grid"]))
     return collect(entries)
@@ -107,16 +106,17 @@ def _with_twins(
     config: Mapping[str, Any],
     decoder: DeviceMesh,
     expert: DeviceMesh,
-    intra_width: int,
+    instances: int,
 ) -> dict[str, Entry]:
     """Each entry followed by the groups made over the same ranks: ``dp-cp:ag`` (a second
-    default-backend group) and the gloo twins; ones not made are the getter's AssertionError."""
+    default-backend group) and the gloo twins; ones not made are the getter's AssertionError.
+    The intra groups split each dp-cp / expert dp group into ``instances`` parts."""
     dp_cp = all_groups(decoder, ["dp", "cp"])
     expert_dp = all_groups(expert, ["expert:dp"])
-    split_intra = torch.tensor(expert_dp).reshape(-1, len(expert_dp[0]) // _instances(config))
+    split_intra = torch.tensor(expert_dp).reshape(-1, len(expert_dp[0]) // instances)
     families: dict[str, list[list[int]]] = {
         "dp-cp": dp_cp,
-        "intra_dp_cp": torch.tensor(dp_cp).reshape(-1, intra_width).tolist(),
+        "intra_dp_cp": torch.tensor(dp_cp).reshape(-1, len(dp_cp[0]) // instances).tolist(),
         "dp": all_groups(decoder, ["dp"]),
         "expert:dp": expert_dp,
         "expert:intra_dp": split_intra.tolist(),
@@ -131,10 +131,6 @@ def _with_twins(
         if name in families:
             out[f"{name}:gloo"] = _gloo_groups(families[name]) if gloo else AssertionError(name)
     return out
-
-
-def _instances(config: Mapping[str, Any]) -> int:
-    return degree(config, "num_distributed_optimizer_instances")
 
 
 def _gloo_groups(groups: list[list[int]]) -> dist.ProcessGroup | None:

@@ -15,6 +15,7 @@ from typing import Final
 
 from meshsim.errors import LayoutError
 from meshsim.model import torch_release
+from meshsim.model.conventions import check
 from meshsim.model.expected import Kind, layout_kind
 from meshsim.model.layout import Layout
 
@@ -31,12 +32,6 @@ class Degrees:
     pp: int
     ep: int
     etp: int
-
-
-def check(condition: bool, message: str, upstream: str = "AssertionError") -> None:
-    """torchtitan's ``assert``s, kept as LayoutErrors (``python -O`` would strip them)."""
-    if not condition:
-        raise LayoutError(message, upstream=upstream)
 
 
 def validate_dense(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> Degrees:
@@ -130,12 +125,7 @@ LEGACY_DESCRIPTIONS: Final[Mapping[str, str]] = {
     "ep": "expert parallel: flatten(dp_shard_in_ep, cp[, tp when etp == 1])",
 }
 #: The roles every torchtitan version gives the axis of the same name.
-AXIS_ROLES: Final[Mapping[str, str]] = {
-    "tensor": "tp",
-    "context": "cp",
-    "pipeline": "pp",
-    "expert": "ep",
-}
+AXIS_ROLES: Final = {"tensor": "tp", "context": "cp", "pipeline": "pp", "expert": "ep"}
 LEGACY_ROLES: Final[Mapping[str, str]] = {
     "data_parallel": "dp",
     "gradient_reduce": "dp_cp",  # HSDP replicates over dp_replicate and shards over dp_shard_cp

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.conventions.areal_fsdp import engine_roles
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
@@ -50,8 +50,7 @@ _INT_KEYS: Final = ("dp_shard", "cp", "tp", "pp", "ep", "etp", "dp_replicate")
 _DEFAULTS: Final[Mapping[str, int]] = {"dp_shard": -1, **dict.fromkeys(_INT_KEYS[1:], 1)}
 
 
-def _value_error(message: str) -> LayoutError:
-    return LayoutError(message, upstream="ValueError")
+_value_error = upstream_error("ValueError")
 
 
 def _normalize(world_size: int, config: Mapping[str, Any]) -> dict[str, int]:

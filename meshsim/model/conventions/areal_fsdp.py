@@ -17,10 +17,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import above_one, divisors, ordered_factorizations
 
 PARAMETERS: Final[Mapping[str, str]] = {
     "data_parallel_size": "ParallelStrategy.data_parallel_size (default 1): the 'dp' degree",
@@ -49,8 +49,7 @@ _PURPOSES: Final[Mapping[str, str]] = {
 }
 
 
-def _assertion(message: str) -> LayoutError:
-    return LayoutError(message, upstream="AssertionError")
+_assertion = upstream_error("AssertionError")
 
 
 def _normalize(config: Mapping[str, Any]) -> dict[str, int]:
@@ -235,15 +234,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     Only keys that differ from AReaL's default 1 are given. World 8 gives 39 configs.
     """
     for dp, sp, tp in ordered_factorizations(world_size, 3):
-        base = {
-            key: value
-            for key, value in (
-                ("data_parallel_size", dp),
-                ("context_parallel_size", sp),
-                ("tensor_parallel_size", tp),
-            )
-            if value > 1
-        }
+        base = above_one(data_parallel_size=dp, context_parallel_size=sp, tensor_parallel_size=tp)
         yield base
         modes = (1, tp) if tp > 1 else (1,)
         for etp in modes:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.conventions._olmo_core_configs import DP_TYPES as _DP_TYPES
 from meshsim.model.conventions._olmo_core_configs import configs as configs
 from meshsim.model.expected import Expected, Kind
@@ -60,8 +60,7 @@ _GETTERS: Final[Mapping[str, str]] = {
 }
 
 
-def _error(message: str) -> LayoutError:
-    return LayoutError(message, upstream="OLMoConfigurationError")
+_error = upstream_error("OLMoConfigurationError")
 
 
 def expect(world_size: int, **config: Any) -> Expected:

@@ -30,11 +30,10 @@ from typing import Any, Final
 from meshsim.errors import LayoutError
 from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import _torchtitan_api as api
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import check, reject_unknown
 from meshsim.model.conventions._torchtitan_legacy import (
     AXIS_ROLES,
     Degrees,
-    check,
     hyper_parallel,
     legacy,
     pick_roles,
