@@ -111,15 +111,18 @@ def all_groups(root: DeviceMesh, dims: Sequence[str]) -> list[list[int]]:
     return [[int(r) for r in row] for row in tensor.reshape(-1, size).tolist()]
 
 
-def new_groups(groups: Sequence[Sequence[int]]) -> ProcessGroup | None:
+def new_groups(groups: Sequence[Sequence[int]], *, gloo: bool = False) -> ProcessGroup | None:
     """``new_group`` for every group, on every rank, in the same order; this rank's group.
 
     Returns None when this rank is in none of them (a middle stage and the embedding group).
+    ``gloo=True`` is ``new_group(ranks, backend="gloo")``, Megatron's CPU twins; the fake
+    backend (no gloo behind it) gets default-backend groups, metadata only anyway.
     """
+    backend = "gloo" if gloo and str(dist.get_backend()) != "fake" else None
     me = dist.get_rank()
     mine = None
     for ranks in groups:
-        group = dist.new_group(ranks=list(ranks))
+        group = dist.new_group(ranks=list(ranks), backend=backend)
         if me in ranks:
             mine = group
     return mine

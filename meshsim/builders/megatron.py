@@ -129,20 +129,10 @@ def _with_twins(
             made = bool(config.get("create_all_gather_group"))
             out["dp-cp:ag"] = new_groups(dp_cp) if made else AssertionError("no AG group")
         if name in families:
-            out[f"{name}:gloo"] = _gloo_groups(families[name]) if gloo else AssertionError(name)
+            out[f"{name}:gloo"] = (
+                new_groups(families[name], gloo=True) if gloo else AssertionError(name)
+            )
     return out
-
-
-def _gloo_groups(groups: list[list[int]]) -> dist.ProcessGroup | None:
-    """``new_group(ranks, backend="gloo")`` for every group; this rank's. The fake backend (no
-    gloo behind it) gets default-backend groups: its groups are metadata only anyway."""
-    backend = None if str(dist.get_backend()) == "fake" else "gloo"
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks=ranks, backend=backend)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
 
 
 def _grid_groups(world_size: int, spec: Mapping[str, Any]) -> dict[str, Entry]:

@@ -65,15 +65,9 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
 
 
 def _gloo_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
-    """``new_group(ranks, backend="gloo")`` for every dp group; this rank's. The fake backend
-    (no gloo behind it) gets default-backend groups: its groups are metadata only anyway."""
-    backend = None if str(dist.get_backend()) == "fake" else "gloo"
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks=list(ranks), backend=backend)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
+    """``new_group(ranks, backend="gloo")`` for every dp group; this rank's (a seam the tests
+    replace)."""
+    return new_groups(groups, gloo=True)
 
 
 def _embedding_groups(world: DeviceMesh, pp: int, split: int | None) -> dict[str, Entry]:
