@@ -30,6 +30,7 @@ from meshsim.builders.real._shims import register_fake_backend
 from meshsim.checks import Observation
 from meshsim.model.conventions import torchtitan
 from meshsim.model.conventions._torchtitan_api import single_axis_meshes
+from meshsim.model.conventions._torchtitan_legacy import validate_dense
 
 #: Every name legacy torchtitan code slices from its root mesh (absent ones raise KeyError).
 _LEGACY_NAMES = (
@@ -52,6 +53,15 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     if version == "intermediate":
         return collect(replica.entries())
     return titan_api.observe(titan_api.entries(replica))
+
+
+def _validate(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> dict[str, int]:
+    """``ParallelDims._validate`` by the convention's statement of it: degrees >= 1, dp_shard
+    -1 resolved, the product the world (the data-flow recipe's entry; ``build`` takes all of a
+    version's checks from ``torchtitan.validate``)."""
+    with reference_rules():
+        degrees = validate_dense(world_size, {"etp": 1, **raw}, with_etp=with_etp)
+    return dataclasses.asdict(degrees)
 
 
 def _views(

@@ -140,7 +140,13 @@ def validate(world_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
     of None as 1 and ``distributed_type`` resolved: world 8, ``tp_size=2, dp_shard_size=4``
     gives ``distributed_type`` ``"FSDP"``. Raises the LayoutError naming accelerate's exception.
     """
-    cfg = _normalize(config)
+    cfg = normalize(config)
+    check_config(world_size, cfg)
+    return cfg
+
+
+def check_config(world_size: int, cfg: Mapping[str, Any]) -> None:
+    """:func:`validate`'s checks of a config :func:`normalize` made (or the same keys)."""
     _validate_config(cfg)
     dims = _mesh_dims(cfg)
     total = math.prod(cfg[k] for k in _SIZES)
@@ -153,7 +159,6 @@ def validate(world_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
         )
     _validate_accelerator(world_size, cfg, total)
     _validate_autotp(world_size, cfg)
-    return cfg
 
 
 def _mesh_dims(cfg: Mapping[str, Any]) -> list[tuple[str, int]] | None:
@@ -173,7 +178,10 @@ def version_of(config: Mapping[str, Any]) -> str:
     return version
 
 
-def _normalize(config: Mapping[str, Any]) -> dict[str, Any]:
+def normalize(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every key present, ``version`` spelled ``"1.15"``/``"1.10"``, sizes of None as 1 and
+    ``distributed_type`` resolved; raises for values accelerate cannot take (wrong types,
+    ``sp_size`` in 1.10, ``autotp_size`` outside DeepSpeed). No check against the world."""
     cfg = {key: config.get(key) for key in PARAMETERS}
     cfg["version"] = version_of(config)
     if cfg["version"] == "1.10" and cfg["sp_size"] is not None:
