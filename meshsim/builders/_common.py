@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshsim import torch_private
 from meshsim.checks import GroupView, Observation, observe_groups
 from meshsim.checks.snapshot import disagreements, mesh_backends
+from meshsim.errors import LayoutError
 
 # OLMo-core and legacy torchtitan slice flattened names from the root mesh, which torch 2.11+
 # warns "will be deprecated"; the builders replay that on purpose, once per getter per rank.
@@ -39,6 +41,21 @@ class FrameworkRejection(RuntimeError):
     def __init__(self, message: str, *, upstream: str | None = None) -> None:
         super().__init__(message)
         self.upstream = upstream
+
+
+@contextlib.contextmanager
+def reference_rules() -> Iterator[None]:
+    """Run a convention's config validation as the framework's own: its ``LayoutError`` becomes
+    a :class:`FrameworkRejection` with the same ``upstream``.
+
+    A config rule has one statement, the convention's; a builder that re-stated it would only
+    check meshsim against itself. What stays independent is the groups: a builder gets sizes
+    and names from the rules, never the reference's groups, and torch builds the meshes.
+    """
+    try:
+        yield
+    except LayoutError as error:
+        raise FrameworkRejection(str(error), upstream=error.upstream) from error
 
 
 def require(condition: bool, message: str, upstream: str | None = "AssertionError") -> None:
@@ -94,15 +111,18 @@ def all_groups(root: DeviceMesh, dims: Sequence[str]) -> list[list[int]]:
     return [[int(r) for r in row] for row in tensor.reshape(-1, size).tolist()]
 
 
-def new_groups(groups: Sequence[Sequence[int]]) -> ProcessGroup | None:
+def new_groups(groups: Sequence[Sequence[int]], *, gloo: bool = False) -> ProcessGroup | None:
     """``new_group`` for every group, on every rank, in the same order; this rank's group.
 
     Returns None when this rank is in none of them (a middle stage and the embedding group).
+    ``gloo=True`` is ``new_group(ranks, backend="gloo")``, Megatron's CPU twins; the fake
+    backend (no gloo behind it) gets default-backend groups, metadata only anyway.
     """
+    backend = "gloo" if gloo and str(dist.get_backend()) != "fake" else None
     me = dist.get_rank()
     mine = None
     for ranks in groups:
-        group = dist.new_group(ranks=list(ranks))
+        group = dist.new_group(ranks=list(ranks), backend=backend)
         if me in ranks:
             mine = group
     return mine

@@ -29,19 +29,9 @@ from meshsim.builders._common import Entry
 from meshsim.checks import GroupView, Observation
 from meshsim.checks.snapshot import disagreements, mesh_backends
 
-SINGLETONS = "include_singleton_axes=True"
-AXES = (
-    "pp", "batch", "loss", "dp_replicate", "cp", "tp", "ep", "efsdp", "dp", "dp_shard", "fsdp",
-    "world",
-)  # fmt: skip
-VIEW_DIMS = {
-    "dataloading": ("pp", "batch", "cp", "tp"),
-    "loss": ("loss_mesh",),
-    "dense": ("pp", "dp_replicate", "dp_shard", "fsdp", "cp", "tp"),
-    "sparse": ("pp", "dp_replicate", "efsdp", "ep"),
-    "spmd_dense_for_fwdbwd": ("dp", "cp", "tp"),
-    "spmd_sparse_for_fwdbwd": ("dp_replicate", "efsdp", "ep"),
-}
+# The kind names are the reference's (a name, not a group: the answers stay the live mesh's).
+from meshsim.model.conventions._torchtitan_api import AXES, SINGLETONS, VIEW_DIMS
+
 SPMD_AXES = ("dp_replicate", "dp", "dp_shard", "fsdp", "cp", "tp", "efsdp", "ep")
 
 

@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim import torch_private
-from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, require
+from meshsim.builders._common import Entry, collect, mesh, reference_rules
 from meshsim.checks import Observation
+from meshsim.model.conventions import accelerate
 
 ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 FLATTENS = (
@@ -68,90 +69,22 @@ def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
 
 
 def _settings(config: Mapping[str, Any]) -> tuple[str, str, dict[str, int], int]:
-    version = {1.1: "1.10", 1.15: "1.15", "1.10.0": "1.10", "1.15.0": "1.15"}.get(
-        config.get("version") or "1.15", config.get("version") or "1.15"
-    )
-    if version == "1.10" and config.get("sp_size") is not None:
-        raise FrameworkRejection(
-            "ParallelismConfig.__init__() got an unexpected keyword argument 'sp_size'",
-            upstream="TypeError",
-        )
-    sizes = {key[: -len("_size")]: config.get(key) or 1 for key in SIZE_KEYS}
-    for key in SIZE_KEYS[: 5 if version == "1.15" else 4]:
-        value = config.get(key)
-        require(
-            value is None or value >= 1,
-            f"{key} must be at least 1, but got {value}",
-            upstream="ValueError",
-        )
-    autotp = int(config.get("autotp_size") or 0)
-    kind = config.get("distributed_type")
-    if kind is None:
-        if sizes["dp_shard"] > 1 or sizes["cp"] > 1:
-            kind = "FSDP"
-        elif sizes["sp"] > 1 or autotp > 1:
-            kind = "DEEPSPEED"
-        else:
-            kind = "MULTI_GPU"
-    return version, str(kind), sizes, autotp
+    """Version, distributed type, sizes by dim and AutoTP size, as the convention reads them;
+    the checks against the world are :func:`_check`'s."""
+    with reference_rules():
+        cfg = accelerate.normalize(config)
+    sizes = {key[: -len("_size")]: cfg[key] for key in SIZE_KEYS}
+    return cfg["version"], cfg["distributed_type"], sizes, cfg["autotp_size"] or 0
 
 
 def _check(world_size: int, version: str, kind: str, sizes: dict[str, int], autotp: int) -> None:
     """``__post_init__``, ``AcceleratorState``'s CP check, ``init_device_mesh``'s size check,
-    ``_validate_accelerator`` and the AutoTP mesh's size check, in accelerate's order."""
-    require(
-        not (sizes["cp"] > 1 and sizes["sp"] > 1),
-        "Context Parallelism (CP) and Sequence Parallelism (SP) are mutually exclusive",
-        upstream="ValueError",
-    )
-    require(
-        not ((sizes["tp"] > 1 or sizes["cp"] > 1) and sizes["dp_replicate"] > 1)
-        or sizes["dp_shard"] > 1,
-        "Tensor/Context parallelism cannot be used with pure data parallelism",
-        upstream="ValueError",
-    )
-    require(
-        not (sizes["cp"] > 1 and kind == "MULTI_GPU"),
-        "`cp_size > 1` specified in the `parallelism_config`, but no `fsdp_plugin` was provided",
-        upstream="ValueError",
-    )
-    total = math.prod(sizes.values())
-    builds = any(s > 1 for s in sizes.values()) and not (version == "1.15" and sizes["sp"] > 1)
-    require(
-        not builds or total <= world_size,
-        f"Mesh should not be bigger than default world size {world_size}, but found {total}",
-        upstream="RuntimeError",
-    )
-    multi_device = kind == "MULTI_GPU" and world_size > 1
-    if multi_device or total != 1:
-        if total == 1:
-            total = world_size
-        require(
-            (version == "1.15" and sizes["sp"] > 1) or total == world_size,
-            f"ParallelismConfig total_size ({total}) does not match num_processes ({world_size})",
-            upstream="ValueError",
-        )
-        require(
-            not (version == "1.15" and kind == "FSDP" and sizes["dp_shard"] == sizes["cp"] == 1),
-            "FSDP is enabled but the parallelism config has no dimension for FSDP to shard across",
-            upstream="ValueError",
-        )
-        compatible = ("FSDP", "MULTI_GPU") + (("DEEPSPEED",) if version == "1.15" else ())
-        require(
-            total == 1 or kind in compatible,
-            f"ParallelismConfig is only compatible with {compatible}, got {kind}",
-            upstream="ValueError",
-        )
-    require(
-        autotp <= world_size,
-        f"Mesh should not be bigger than default world size {world_size}, but found {autotp}",
-        upstream="RuntimeError",
-    )
-    require(
-        autotp <= 1 or world_size % autotp == 0,
-        f"autotp_size {autotp} does not divide the world {world_size}",
-        upstream=None,
-    )
+    ``_validate_accelerator`` and the AutoTP mesh's size check, in accelerate's order: the
+    convention's statement of them."""
+    cfg = {f"{dim}_size": size for dim, size in sizes.items()}
+    cfg |= {"version": version, "distributed_type": kind, "autotp_size": autotp}
+    with reference_rules():
+        accelerate.check_config(world_size, cfg)
 
 
 def build_device_mesh(version: str, sizes: Mapping[str, int]) -> DeviceMesh | None:

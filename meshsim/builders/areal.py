@@ -21,6 +21,10 @@ import torch.distributed as dist
 from meshsim.builders._common import Entry, collect, degree, require
 from meshsim.checks import Observation
 
+# The grid's group attributes in the order it makes them (entries, hence observations, follow):
+# names only, shared with the reference.
+from meshsim.model.conventions.areal import KINDS
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -29,21 +33,6 @@ _ORDERS: dict[str, tuple[str, ...]] = {
     "pipe_data_tensor": ("pipe", "data", "tensor"),
     "data_pipe_tensor": ("data", "pipe", "tensor"),
 }
-#: The grid's group attributes in the order it makes them (entries, hence observations, follow).
-_KINDS = (
-    "ds_model_proc_group",
-    "ds_model_proc_group_gloo",
-    "dp_proc_group",
-    "dp_proc_group_gloo",
-    "p2p_groups",
-    "pp_proc_group",
-    "pp_proc_group_gloo",
-    "embedding_proc_group",
-    "position_embedding_proc_group",
-    "slice_proc_group",
-    "slice_proc_group_gloo",
-    "tp_dp_proc_group",
-)
 #: The kind naming the model's process group (``ParallelGrid``'s argument) in build_grids.
 PROCESS_GROUP = "process_group"
 
@@ -142,7 +131,7 @@ def _grid(world_size: int, config: Mapping[str, Any], cache: GroupCache) -> dict
     def world(ranks: Sequence[int]) -> list[int]:
         return [mapping[t] for t in ranks]
 
-    out: dict[str, Entry] = {PROCESS_GROUP: process_group, **dict.fromkeys(_KINDS)}
+    out: dict[str, Entry] = {PROCESS_GROUP: process_group, **dict.fromkeys(KINDS)}
     for d in range(dp):
         _assign(out, "ds_model_proc_group", fixed("data", d), me, cache, world, twin=True)
     for ranks in comm_lists("data"):

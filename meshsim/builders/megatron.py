@@ -27,13 +27,14 @@ from meshsim.builders._common import (
     FrameworkRejection,
     all_groups,
     collect,
-    degree,
     flatten,
     mesh,
     new_groups,
+    reference_rules,
     require,
 )
 from meshsim.checks import Observation
+from meshsim.model.conventions import _megatron_config
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _TOKENS = ("tp", "pp", "dp", "ep", "cp")
@@ -94,7 +95,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     for token in _EXPERT:
         entries[f"expert:{token}"] = _token_mesh(expert, token, "expert:")
     entries.update(_partial_expert_groups(expert, edp, instances))
-    entries = _with_twins(entries, config, decoder, expert, dp * cp // instances)
+    entries = _with_twins(entries, config, decoder, expert, instances)
     if config.get("hyper_comm_grid"):
         entries.update(_grid_groups(world_size, config["hyper_comm_grid"]))
     return collect(entries)
@@ -105,16 +106,17 @@ def _with_twins(
     config: Mapping[str, Any],
     decoder: DeviceMesh,
     expert: DeviceMesh,
-    intra_width: int,
+    instances: int,
 ) -> dict[str, Entry]:
     """Each entry followed by the groups made over the same ranks: ``dp-cp:ag`` (a second
-    default-backend group) and the gloo twins; ones not made are the getter's AssertionError."""
+    default-backend group) and the gloo twins; ones not made are the getter's AssertionError.
+    The intra groups split each dp-cp / expert dp group into ``instances`` parts."""
     dp_cp = all_groups(decoder, ["dp", "cp"])
     expert_dp = all_groups(expert, ["expert:dp"])
-    split_intra = torch.tensor(expert_dp).reshape(-1, len(expert_dp[0]) // _instances(config))
+    split_intra = torch.tensor(expert_dp).reshape(-1, len(expert_dp[0]) // instances)
     families: dict[str, list[list[int]]] = {
         "dp-cp": dp_cp,
-        "intra_dp_cp": torch.tensor(dp_cp).reshape(-1, intra_width).tolist(),
+        "intra_dp_cp": torch.tensor(dp_cp).reshape(-1, len(dp_cp[0]) // instances).tolist(),
         "dp": all_groups(decoder, ["dp"]),
         "expert:dp": expert_dp,
         "expert:intra_dp": split_intra.tolist(),
@@ -127,24 +129,10 @@ def _with_twins(
             made = bool(config.get("create_all_gather_group"))
             out["dp-cp:ag"] = new_groups(dp_cp) if made else AssertionError("no AG group")
         if name in families:
-            out[f"{name}:gloo"] = _gloo_groups(families[name]) if gloo else AssertionError(name)
+            out[f"{name}:gloo"] = (
+                new_groups(families[name], gloo=True) if gloo else AssertionError(name)
+            )
     return out
-
-
-def _instances(config: Mapping[str, Any]) -> int:
-    return degree(config, "num_distributed_optimizer_instances")
-
-
-def _gloo_groups(groups: list[list[int]]) -> dist.ProcessGroup | None:
-    """``new_group(ranks, backend="gloo")`` for every group; this rank's. The fake backend (no
-    gloo behind it) gets default-backend groups: its groups are metadata only anyway."""
-    backend = None if str(dist.get_backend()) == "fake" else "gloo"
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks=ranks, backend=backend)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
 
 
 def _grid_groups(world_size: int, spec: Mapping[str, Any]) -> dict[str, Entry]:
@@ -193,54 +181,17 @@ def _device_type() -> str:
 def _validate(
     world_size: int, config: Mapping[str, Any]
 ) -> tuple[tuple[int, int, int, int], DeviceMesh, DeviceMesh]:
-    """Megatron's checks in its order; (dp, cp, edp, instances) and the two generator meshes."""
+    """Megatron's checks in its order (the convention's statement of them); (dp, cp, edp,
+    instances) and the two generator meshes, built live from the sizes."""
     order = config.get("order") or DEFAULT_ORDER
-    tp = degree(config, "tensor_model_parallel_size")
-    pp = degree(config, "pipeline_model_parallel_size")
-    cp = degree(config, "context_parallel_size")
-    ep = degree(config, "expert_model_parallel_size")
-    etp = degree(config, "expert_tensor_parallel_size", tp)
-    instances = degree(config, "num_distributed_optimizer_instances")
-    vpp = config.get("virtual_pipeline_model_parallel_size")
-    hcp = tuple(config.get("hierarchical_context_parallel_sizes") or ())
-
-    require(
-        world_size % (tp * pp * cp) == 0,
-        f"world_size ({world_size}) is not divisible by {tp * pp * cp}",
-        "RuntimeError",
+    with reference_rules():
+        sizes, _, _ = _megatron_config.validate(world_size, config, order)
+    tp, pp, cp, ep, etp = sizes.tp, sizes.pp, sizes.cp, sizes.ep, sizes.etp
+    decoder = generator_mesh(order, {"tp": tp, "pp": pp, "dp": sizes.dp, "ep": 1, "cp": cp})
+    expert = generator_mesh(
+        order, {"tp": etp, "pp": pp, "dp": sizes.edp, "ep": ep, "cp": 1}, "expert:"
     )
-    dp = world_size // (tp * pp * cp)
-    require(
-        vpp is None or pp > 1,
-        "pipeline-model-parallel size should be greater than 1 with interleaved schedule",
-        "RuntimeError",
-    )
-    decoder = generator_mesh(order, {"tp": tp, "pp": pp, "dp": dp, "ep": 1, "cp": cp})
-    require(
-        world_size % (etp * ep * pp) == 0,
-        f"world_size ({world_size}) is not divisible by expert_tensor_model_pipeline_parallel "
-        f"size ({etp * ep * pp})",
-        "RuntimeError",
-    )
-    edp = world_size // (etp * ep * pp)
-    expert = generator_mesh(order, {"tp": etp, "pp": pp, "dp": edp, "ep": ep, "cp": 1}, "expert:")
-    require(
-        order.endswith("pp") or pp == 1 or edp == dp,
-        "When not using pp-last rank ordering, the data parallel size of the attention and moe "
-        "layers must be the same",
-    )
-    require(
-        sorted(all_groups(decoder, ["pp"])) == sorted(all_groups(expert, ["expert:pp"])),
-        "Pipeline parallel groups are expected to be the same for Non-Expert and Expert part",
-    )
-    require((dp * cp) % instances == 0, "dp*cp must be divisible by the optimizer instances")
-    require(
-        not config.get("hybrid_context_parallel") or (dp * cp) % 2 == 0,
-        "hybrid context parallel needs an even dp*cp",
-    )
-    require(not hcp or math.prod(hcp) == cp, "hierarchical CP sizes must multiply to CP")
-    require(edp % instances == 0, "expert dp must be divisible by the optimizer instances")
-    return (dp, cp, edp, instances), decoder, expert
+    return (sizes.dp, cp, sizes.edp, sizes.instances), decoder, expert
 
 
 def _token_mesh(root: DeviceMesh, token: str, prefix: str = "") -> DeviceMesh:

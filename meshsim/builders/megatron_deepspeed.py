@@ -13,6 +13,7 @@ gloo twin was made, and the Habana line has no such getter at all.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,30 +23,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshsim import torch_private
 from meshsim.builders._common import (
     Entry,
-    FrameworkRejection,
     all_groups,
     collect,
     flatten,
     mesh,
     new_groups,
-    require,
+    reference_rules,
 )
 from meshsim.checks import Observation
-
-_VARIANTS = ("upstream", "habana-2024")
+from meshsim.model.conventions import megatron_deepspeed
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:
-    variant = config.get("variant", "upstream")
-    require(variant in _VARIANTS, f"no megatron-deepspeed variant {variant!r}", None)
-    tp = _integer(config, "tensor_model_parallel_size")
-    pp = _integer(config, "pipeline_model_parallel_size")
-    sp = _integer(config, "sequence_parallel_size")
-    split = config.get("pipeline_model_parallel_split_rank")
-    if split is not None and (isinstance(split, bool) or not isinstance(split, int)):
-        raise FrameworkRejection(f"pipeline_model_parallel_split_rank {split!r}", upstream=None)
-    vpp = config.get("virtual_pipeline_model_parallel_size")
-    dp = _checked_dp(world_size, (tp, pp, sp), vpp, split)
+    with reference_rules():
+        checked = megatron_deepspeed.validate(world_size, config)
+    variant, tp, pp, sp, dp, split = dataclasses.astuple(checked)
 
     world = mesh((pp, dp, sp, tp), ("pp", "dp", "sp", "tp"))
     entries: dict[str, Entry] = {"dp": world["dp"]}
@@ -72,64 +64,10 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     return collect(entries)
 
 
-def _integer(config: Mapping[str, Any], key: str) -> int:
-    value = config.get(key, 1)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise FrameworkRejection(f"{key} must be an integer, got {value!r}", upstream=None)
-    return value
-
-
-def _checked_dp(world: int, degrees: tuple[int, int, int], vpp: Any, split: int | None) -> int:
-    """Upstream's checks and arithmetic in its order; the data-parallel degree they leave.
-
-    A negative degree passes them (Python's ``%`` and ``//`` take it) but the ``range`` loops
-    over it run zero times: no dp groups, so either the model-parallel loop asks torch for
-    ``new_group([])`` (when dp > 0) or a getter later finds its group missing.
-    """
-    tp, pp, sp = degrees
-    if tp * pp == 0:
-        raise FrameworkRejection("integer modulo by zero", upstream="ZeroDivisionError")
-    require(
-        world % (tp * pp) == 0,
-        f"world_size ({world}) is not divisible by tensor_model_parallel_size ({tp}) x "
-        f"pipeline_model_parallel_size ({pp})",
-        "RuntimeError",
-    )
-    require(
-        sp <= 1 or (tp == 1 and pp == 1),
-        "DeepSpeed's sequence parallel does not work with tensor parallel or pipeline parallel",
-    )
-    require(sp <= 1 or world % sp == 0, f"world_size is not divisible by {sp}", "RuntimeError")
-    if sp == 0 or world // (tp * pp * sp) == 0:
-        raise FrameworkRejection("integer division by zero", upstream="ZeroDivisionError")
-    dp = world // (tp * pp * sp)
-    require(
-        vpp is None or pp > 2,
-        "pipeline-model-parallel size should be greater than 2 with interleaved schedule",
-        "RuntimeError",
-    )
-    data_groups_built = tp > 0 and pp > 0
-    require(data_groups_built or dp < 1, "new_group([]) for a model-parallel group", "TypeError")
-    if split is not None and pp > 1:  # each pipeline's ranks, indexed by the split stage
-        try:
-            range(0, world, world // pp)[split]
-        except IndexError as error:
-            raise FrameworkRejection(str(error), upstream="IndexError") from error
-    require(data_groups_built, "data parallel group is not initialized")
-    require(sp > 0, "sequence parallel group is not initialized")
-    return dp
-
-
 def _gloo_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
-    """``new_group(ranks, backend="gloo")`` for every dp group; this rank's. The fake backend
-    (no gloo behind it) gets default-backend groups: its groups are metadata only anyway."""
-    backend = None if str(dist.get_backend()) == "fake" else "gloo"
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks=list(ranks), backend=backend)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
+    """``new_group(ranks, backend="gloo")`` for every dp group; this rank's (a seam the tests
+    replace)."""
+    return new_groups(groups, gloo=True)
 
 
 def _embedding_groups(world: DeviceMesh, pp: int, split: int | None) -> dict[str, Entry]:

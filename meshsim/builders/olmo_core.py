@@ -17,14 +17,11 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim import torch_private
-from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh
+from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, reference_rules
 from meshsim.checks import Observation
+from meshsim.model.conventions import olmo_core
 
 Names = tuple[str, ...]
-
-
-def _config_error(message: str) -> FrameworkRejection:
-    return FrameworkRejection(message, upstream="OLMoConfigurationError")
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:
@@ -47,75 +44,16 @@ def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
 
 def build_world_mesh(world_size: int, config: Mapping[str, Any]) -> DeviceMesh:
     """OLMo's ``build_world_mesh``: validate in OLMo's order, build, create the DP group."""
-    dp = config.get("dp")
-    dp = None if dp is None else str(getattr(dp, "value", dp))
-    pp, cp, tp, ep = (config.get(k) for k in ("pp", "cp", "tp", "ep"))
-    if dp is None and pp is None and cp is None and tp is None and ep is None:
-        return mesh((world_size,), ("dp",))
-    if dp is None:
-        raise _config_error(
-            "Data parallel config is required in addition to expert/tensor/context/pipeline "
-            "parallel configs"
-        )
-    dp_world = world_size
-    for cls, degree in (("Pipeline", pp), ("Context", cp), ("Tensor", tp)):
-        if degree is not None:
-            if degree < 1 or dp_world % degree != 0:
-                raise _config_error(
-                    f"{cls}ParallelConfig.degree must be at least 1 and divide into the world size"
-                )
-            dp_world //= degree
-    if ep is not None:
-        if ep == 0 or dp_world % ep != 0:
-            raise _config_error(
-                "ExpertParallelConfig.degree must be at least 1 and divide into the world size"
-            )
-        if tp is not None:
-            raise _config_error("expert parallelism is mutually exclusive with tensor parallism")
-        if dp != "hsdp":
-            raise _config_error(
-                "expert parallelism can currently only be used with HSDP data parallelism"
-            )
-    names: list[str] = []
-    dims: list[int] = []
-    if pp is not None:
-        names.append("pp")
-        dims.append(pp)
-    if dp == "hsdp":
-        replicas, shard = _replicate_and_shard(dp_world, config)
-        names += ["dp_replicate", "dp_shard"]
-        dims += [replicas, shard]
-        if ep is not None and ep >= 0 and ep != shard:
-            raise _config_error("expert parallelism + HSDP requires the same sharding degree")
-    else:
-        names.append("dp")
-        dims.append(dp_world)
-    for name, degree in (("cp", cp), ("tp", tp)):
-        if degree is not None:
-            names.append(name)
-            dims.append(degree)
-    _check_mesh_covers_world(world_size, names, dims)
-    world = mesh(dims, names)
+    with reference_rules():
+        dims = olmo_core.world_dims(world_size, config)
+    names = [name for name, _ in dims]
+    sizes = [size for _, size in dims]
+    if all(config.get(key) is None for key in ("dp", "pp", "cp", "tp", "ep")):
+        return mesh(sizes, names)  # no parallel config: a plain 1-D dp mesh, no DP group
+    _check_mesh_covers_world(world_size, names, sizes)
+    world = mesh(sizes, names)
     get_dp_process_group(world)  # OLMo creates the DP group eagerly
     return world
-
-
-def _replicate_and_shard(dp_world: int, config: Mapping[str, Any]) -> tuple[int, int]:
-    """``DataParallelConfig.get_replicate_and_shard_degree`` (num_nodes stands in for the env)."""
-    replicas, shard = config.get("num_replicas"), config.get("shard_degree")
-    for key, value in (("num_replicas", replicas), ("shard_degree", shard)):
-        if value is not None and dp_world % value != 0:
-            raise _config_error(
-                f"data parallel world size ({dp_world}) must be divisible by '{key}' ({value})"
-            )
-    if replicas is None and shard is None:
-        replicas = config.get("num_nodes") or 1
-        shard = dp_world // replicas
-    elif shard is None:
-        shard = dp_world // replicas
-    elif replicas is None:
-        replicas = dp_world // shard
-    return replicas, shard  # the product is not checked: see _check_mesh_covers_world
 
 
 def _check_mesh_covers_world(world_size: int, names: list[str], dims: list[int]) -> None:
@@ -148,15 +86,9 @@ def _check_mesh_covers_world(world_size: int, names: list[str], dims: list[int])
 
 
 def build_expert_parallel_mesh(world_size: int, degree: int) -> DeviceMesh:
-    ep = world_size if degree < 0 else degree
-    if ep == 0:
-        raise FrameworkRejection("integer division or modulo by zero", upstream="ZeroDivisionError")
-    if world_size % ep != 0:
-        raise _config_error(
-            f"Expert parallelism requires world size ({world_size}) to be divisible by "
-            f"'degree' ({ep})"
-        )
-    return mesh((world_size // ep, ep), ("ep_replicate", "ep_shard"))
+    with reference_rules():
+        dims = olmo_core.expert_dims(world_size, degree)
+    return mesh([size for _, size in dims], [name for name, _ in dims])
 
 
 # -- OLMo's getters, on the live mesh ------------------------------------------------------------
@@ -164,14 +96,8 @@ def _flatten_dims(
     root: DeviceMesh, *dims: str, name: str, names: Names
 ) -> tuple[DeviceMesh, Names]:
     """OLMo's ``_flatten_dims``: flatten on the root, rename, check the root knows the names."""
-    out: list[str] = []
-    for n in names:
-        if n not in dims:
-            out.append(n)
-        elif name not in out:
-            out.append(name)
+    new_names = olmo_core.flattened_names(names, dims, name)
     torch_private.flatten(root[dims], name)
-    new_names = tuple(out)
     try:
         root[new_names]
     except KeyError as exc:

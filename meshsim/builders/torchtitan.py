@@ -16,6 +16,7 @@ backend) where ``get_optional_mesh(..., include_singleton_axes=True)`` hands the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -24,11 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim import torch_private
 from meshsim.builders import _torchtitan_api as titan_api
-from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, require
+from meshsim.builders._common import Entry, collect, mesh, reference_rules
 from meshsim.builders.real._shims import register_fake_backend
 from meshsim.checks import Observation
+from meshsim.model.conventions import torchtitan
+from meshsim.model.conventions._torchtitan_api import single_axis_meshes
+from meshsim.model.conventions._torchtitan_legacy import validate_dense
 
-_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
 #: Every name legacy torchtitan code slices from its root mesh (absent ones raise KeyError).
 _LEGACY_NAMES = (
     "pp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp",
@@ -37,35 +40,15 @@ _LEGACY_NAMES = (
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:
-    version = config.get("version", "current")
-    raw = {k: config.get(k, -1 if k == "dp_shard" else 1) for k in _KEYS}
+    with reference_rules():
+        version, backend, degrees = torchtitan.validate(world_size, config)
+    d = dataclasses.asdict(degrees)
     if version == "hyper_parallel":
-        return collect(_hyper_parallel(world_size, raw))
-    d = _validate(world_size, raw, with_etp=version != "current")
+        return collect(_hyper_parallel(world_size, d))
     if version == "legacy":
         return collect(_legacy(d))
-    if version == "current":
-        backend = config.get("spmd_backend") or "spmd_types"
-        require(
-            backend in ("spmd_types", "partial_dtensor", "full_dtensor"),
-            f"parallelism.spmd_backend {backend!r} is not one of the three",
-            "ValueError",
-        )
-        region = d["dp_shard"] * d["cp"] * d["tp"]
-        require(
-            region % d["ep"] == 0,
-            f"expert_parallel_degree ({d['ep']}) must divide dp_shard * cp * tp ({region})",
-            "ValueError",
-        )
-        expert = {"ep": d["ep"]}
-    elif version == "intermediate":
-        backend = config.get("spmd_backend") or "partial_dtensor"
-        require(
-            d["ep"] == 1 or d["etp"] in (1, d["tp"]), "Currently we only support ETP=TP or ETP=1"
-        )
-        expert = {"ep": d["ep"], "etp": d["etp"]}
-    else:
-        raise FrameworkRejection(f"unknown torchtitan version {version!r}", upstream=None)
+    assert backend is not None  # the convention gives every multi-view version its default
+    expert = {"ep": d["ep"]} if version == "current" else {"ep": d["ep"], "etp": d["etp"]}
     replica = _views(world_size, d, backend, expert, version)
     if version == "intermediate":
         return collect(replica.entries())
@@ -73,17 +56,12 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
 
 
 def _validate(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> dict[str, int]:
-    """``ParallelDims._validate``: degrees >= 1, dp_shard -1 resolved, product == world."""
-    for name in ("dp_replicate", "cp", "tp", "pp", "ep") + (("etp",) if with_etp else ()):
-        require(raw[name] >= 1, f"Parallelism degree should be >= 1, except for dp_shard ({name})")
-    d = dict(raw)
-    require(d["dp_shard"] == -1 or d["dp_shard"] >= 1, "dp_shard must -1 or >=1.")
-    if d["dp_shard"] < 0:
-        d["dp_shard"] = world_size // (d["dp_replicate"] * d["cp"] * d["tp"] * d["pp"])
-        require(d["dp_shard"] >= 1, "dp_shard=-1 resolves to 0")
-    product = math.prod(d[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
-    require(product == world_size, f"Invalid parallel dims: product {product} != {world_size}")
-    return d
+    """``ParallelDims._validate`` by the convention's statement of it: degrees >= 1, dp_shard
+    -1 resolved, the product the world (the data-flow recipe's entry; ``build`` takes all of a
+    version's checks from ``torchtitan.validate``)."""
+    with reference_rules():
+        degrees = validate_dense(world_size, {"etp": 1, **raw}, with_etp=with_etp)
+    return dataclasses.asdict(degrees)
 
 
 def _views(
@@ -120,16 +98,7 @@ def _views(
     efsdp = fsdp * tp // math.prod(expert.values())
     sparse = unflatten({"pp": pp, "dp_replicate": dpr, "efsdp": efsdp, **expert})
     views = {"dataloading": dataloading, "loss": loss, "dense": dense, "sparse": sparse}
-    single: dict[str, DeviceMesh] = {
-        "pp": dataloading["pp"],
-        "batch": dataloading["batch"],
-        "loss": loss,
-        "dp_replicate": dense["dp_replicate"],
-        "cp": dataloading["cp"],
-        "tp": dataloading["tp"],
-        "ep": sparse["ep"],
-        "efsdp": sparse["efsdp"],
-    }
+    single: dict[str, DeviceMesh] = single_axis_meshes(views)
     if "etp" in expert:
         single["etp"] = sparse["etp"]
     if backend == "spmd_types":
@@ -237,14 +206,9 @@ def _root_entries(root: DeviceMesh, names: tuple[str, ...]) -> dict[str, Entry]:
 def _legacy(d: Mapping[str, int]) -> dict[str, Entry]:
     """Legacy ``build_mesh``: dims of degree > 1; with EP, dp_shard is split for the experts."""
     ep, etp, tp, cp = d["ep"], d["etp"], d["tp"], d["cp"]
-    require(ep == 1 or etp in (1, tp), "Currently we only support ETP=TP or ETP=1")
     sizes: list[tuple[str, int]]
     if ep > 1:
         borrowed = cp if etp == tp else cp * tp
-        require(
-            ep % borrowed == 0 and (d["dp_shard"] * borrowed) % ep == 0,
-            f"ep={ep} must be a multiple of {borrowed} dividing dp_shard * {borrowed}",
-        )
         sizes = [
             ("pp", d["pp"]),
             ("dp_replicate", d["dp_replicate"]),
@@ -278,21 +242,9 @@ def _legacy(d: Mapping[str, int]) -> dict[str, Entry]:
     return _root_entries(root, _LEGACY_NAMES)
 
 
-def _hyper_parallel(world_size: int, raw: Mapping[str, int]) -> dict[str, Entry]:
-    """The hyper_parallel seed: validate, one root mesh, flatten aliases fsdp / dp / loss."""
-    for name in ("dp_replicate", "cp", "tp", "pp", "ep", "etp"):
-        require(raw[name] >= 1, f"Parallel degree {name}={raw[name]} must be >= 1", "ValueError")
-    d = dict(raw)
-    require(
-        not (d["dp_shard"] < -1 or d["dp_shard"] == 0), "dp_shard must be -1 or > 0", "ValueError"
-    )
-    non_dp = math.prod(d[k] for k in ("dp_replicate", "cp", "tp", "pp", "ep"))
-    if d["dp_shard"] == -1:
-        require(world_size % non_dp == 0, "Cannot auto-infer dp_shard", "ValueError")
-        d["dp_shard"] = max(world_size // non_dp, 1)
-    require(non_dp * d["dp_shard"] == world_size, "Invalid parallel dims", "ValueError")
-    require(d["ep"] == 1 or d["etp"] in (d["tp"], 1), "etp must equal tp or 1", "ValueError")
-    require(d["pp"] == 1, "Pipeline parallel is not yet implemented", "NotImplementedError")
+def _hyper_parallel(world_size: int, d: Mapping[str, int]) -> dict[str, Entry]:
+    """The hyper_parallel seed (degrees validated): one root mesh, flatten aliases fsdp / dp /
+    loss."""
     order = ("dp_replicate", "dp_shard", "ep", "cp", "tp", "pp")
     dims = [(n, d[n]) for n in order if d[n] > 1] or [("dp_shard", world_size)]
     root = mesh([s for _, s in dims], [n for n, _ in dims])

@@ -20,14 +20,11 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh
+from meshsim.builders._common import Entry, FrameworkRejection, collect, mesh, reference_rules
 from meshsim.checks import Observation
+from meshsim.model.conventions import transformers
 
-_SIZE_KEYS = ("tp_size", "fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
-
-
-def _value_error(message: str) -> FrameworkRejection:
-    return FrameworkRejection(message, upstream="ValueError")
+_SIZE_KEYS = ("pp_size", "dp_replicate_size", "fsdp_size", "tp_size", "ep_size")
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:
@@ -74,42 +71,11 @@ def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
 
 
 def distributed_config(world_size: int, config: Mapping[str, Any]) -> tuple[int, ...]:
-    """``DistributedConfig.__post_init__``: (pp, dp_replicate, fsdp, tp, ep) or its ValueError;
-    ``world_size`` stands in for ``WORLD_SIZE``, which ``tp_plan`` without ``tp_size`` reads."""
-    sizes = {key: config.get(key) for key in _SIZE_KEYS}
-    for value in sizes.values():
-        if value is not None and value < 1:
-            raise _value_error(f"Parallelism sizes must be >= 1, got {value}.")
-    fsdp = sizes["fsdp_size"] or 1
-    dp_replicate = sizes["dp_replicate_size"] or 1
-    pp = sizes["pp_size"] or 1
-    tp = sizes["tp_size"]
-    if tp is None and config.get("tp_plan") is not None:
-        other = dp_replicate * fsdp * pp
-        if world_size % other != 0:
-            raise _value_error(
-                f"WORLD_SIZE ({world_size}) must be divisible by dp_replicate_size * fsdp_size * "
-                f"pp_size ({other}) to derive tp_size."
-            )
-        tp = world_size // other
-    elif tp is None:
-        tp = 1
-    ep = sizes["ep_size"]
-    if config.get("enable_expert_parallel") and ep is None:
-        ep = tp
-    if ep is None:
-        ep = 1
-    for plan in ("ep_plan", "fsdp_plan"):
-        if config.get(plan) is not None and not isinstance(config.get(plan), dict):
-            raise _value_error(f"`{plan}` must be a dictionary or None.")
-    if ep > 1:
-        if ep % tp:
-            raise _value_error("`ep_size` must be a multiple of `tp_size`.")
-        if (fsdp * tp) % ep:
-            raise _value_error("`ep_size` must divide `fsdp_size * tp_size`.")
-    if dp_replicate * fsdp > 1 and pp > 1:
-        raise _value_error("Combining FSDP with pipeline parallelism is not supported yet.")
-    return pp, dp_replicate, fsdp, tp, ep
+    """``DistributedConfig.__post_init__``: (pp, dp_replicate, fsdp, tp, ep) or its ValueError,
+    by the convention's rules; ``world_size`` stands in for ``WORLD_SIZE``."""
+    with reference_rules():
+        sizes = transformers.resolve(world_size, config)
+    return tuple(sizes[key] for key in _SIZE_KEYS)
 
 
 def initialize_distributed_mesh(

@@ -21,16 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshsim.builders._common import Entry, FrameworkRejection, collect, flatten, mesh
 from meshsim.checks import Observation
 
-#: verl's TorchtitanEngineConfig name -> meshsim's torchtitan builder key.
-TITAN_KEYS = {
-    "data_parallel_replicate_size": "dp_replicate",
-    "data_parallel_shard_size": "dp_shard",
-    "context_parallel_size": "cp",
-    "tensor_parallel_size": "tp",
-    "pipeline_parallel_size": "pp",
-    "expert_parallel_size": "ep",
-}
-TITAN_KINDS = ("pp", "batch", "loss", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+# verl's torchtitan engine keys and the kinds it reads: config names, shared with the reference.
+from meshsim.model.conventions.verl import TITAN_KEYS, TITAN_KINDS
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:

@@ -56,7 +56,7 @@ class Layout:
         dims: tuple[str, ...],
         aliases: Mapping[str, tuple[int, ...]],
         *,
-        named: bool,
+        named: bool = True,
     ) -> None:
         grid.flags.writeable = False
         self._grid = grid
@@ -68,17 +68,10 @@ class Layout:
         self._identity: bool | None = None
 
     @classmethod
-    def _make(
-        cls,
-        grid: npt.NDArray[np.int64],
-        names: tuple[str, ...],
-        dims: tuple[str, ...],
-        aliases: Mapping[str, tuple[int, ...]],
-        *,
-        named: bool = True,
-    ) -> Layout:
+    def _make(cls, *state: Any, **options: Any) -> Layout:
+        """A Layout from :meth:`_init`'s arguments, past ``__init__``'s axis parsing."""
         layout = cls.__new__(cls)
-        layout._init(grid, names, dims, aliases, named=named)
+        layout._init(*state, **options)
         return layout
 
     @classmethod
@@ -467,7 +460,7 @@ class Layout:
                 upstream="ValueError",
             )
         # torch splits by layout composition, which asserts on a split across non-adjacent axes.
-        _ml.mesh_layout_of(self, (dim,)).unflatten(0, sizes)
+        self.mesh_layout(dim).unflatten(0, sizes)
         kept = [d for d in self._dims if d != dim]
         _check_unique(kept + list(names))
         clash = [
@@ -510,18 +503,21 @@ class Layout:
         """torch's ``DeviceMesh._layout`` for ``dims`` (all when none; an alias is one collapsed
         dim), striding :meth:`rank_map`: ``Layout(dp=2, tp=4).mesh_layout("dp")`` is ``(2,):(4,)``.
         """
-        return _ml.mesh_layout_of(self, dims)
+        return _ml.mesh_layout_of(self._grid, [self._axes_of(d) for d in dims or self._dims])
 
     def rank_map(self) -> npt.NDArray[np.int64]:
         """The 1-D rank list :meth:`mesh_layout` strides over (``DeviceMesh._rank_map``)."""
-        return _ml.root_modes(self)[1]
+        return _ml.root_modes(self._grid)[1]
 
     @classmethod
     def from_mesh_layout(
         cls, layout: _ml.MeshLayout, names: Sequence[str], rank_map: npt.ArrayLike | None = None
     ) -> Layout:
         """The Layout of a torch-style ``_MeshLayout`` over ``rank_map`` (default ``0..N-1``)."""
-        return _ml.layout_from_mesh_layout(layout, names, rank_map)
+        grid, root_names = _ml.grid_from_mesh_layout(layout, names, rank_map)
+        root = Layout.from_mesh(grid, root_names)
+        # A complement axis (``rest``) stays in the root, out of the view.
+        return root if root_names == tuple(names) else root[tuple(names)]
 
     # -- value semantics ------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:

@@ -24,15 +24,12 @@ import math
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from meshsim.errors import LayoutError
-
-if TYPE_CHECKING:
-    from meshsim.model.layout import Layout
 
 Mode = tuple[int, int]
 """One ``(size, stride)`` pair."""
@@ -320,9 +317,10 @@ def _unzip(modes: Iterable[Mode]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 # -- the bridge to meshsim.Layout ---------------------------------------------------------------
+# It speaks in grids and root axes, not Layouts: ``layout.py`` imports this module, never back.
 
 
-def root_modes(layout: Layout) -> tuple[tuple[tuple[Mode, ...], ...], Ranks]:
+def root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks]:
     """Each root axis's ``(size, stride)`` modes and the rank map those strides index.
 
     A grid that is a strided view of ``0..N-1`` (every ``init_device_mesh`` root and every
@@ -330,9 +328,8 @@ def root_modes(layout: Layout) -> tuple[tuple[tuple[Mode, ...], ...], Ranks]:
     rank map, exactly torch's; a root axis made by unflattening a non-contiguous flatten keeps
     several modes (``(2, 2):(4, 1)``), as torch's composed ``_layout`` does. Any other grid (an
     explicit ``mesh=`` tensor) is indexed by position, its row-major ravel being the rank map,
-    as ``DeviceMesh(mesh=...)`` stores it.
+    as ``DeviceMesh(mesh=...)`` stores it. ``grid`` is a Layout's root grid (``Layout.mesh``).
     """
-    grid = layout.mesh
     cached = _ROOT_MODES.get(id(grid))
     if cached is not None and cached[0]() is grid:
         return cached[1], cached[2]
@@ -393,31 +390,27 @@ def _axis_modes(line: Ranks) -> tuple[Mode, ...]:
     return tuple(reversed(found))
 
 
-def mesh_layout_of(layout: Layout, dims: Sequence[str | int]) -> MeshLayout:
-    """torch's ``_layout`` of the mesh ``layout`` views, restricted to ``dims``."""
-    modes, _ = root_modes(layout)
-    axes = []
-    for dim in dims or layout.dim_names:
-        spanned = layout._axes_of(dim)
-        axes.append(FlatLayout(*_unzip(m for a in spanned for m in modes[a])))
-    return MeshLayout(axes)
+def mesh_layout_of(grid: Ranks, spans: Iterable[Sequence[int]]) -> MeshLayout:
+    """torch's ``_layout`` of a mesh over the root ``grid``: one dim per entry of ``spans``, the
+    root axes that dim spans (one for a plain dim, several for a flattened one)."""
+    modes, _ = root_modes(grid)
+    return MeshLayout(FlatLayout(*_unzip(m for a in span for m in modes[a])) for span in spans)
 
 
-def layout_from_mesh_layout(
+def grid_from_mesh_layout(
     mesh_layout: MeshLayout,
     names: Sequence[str],
     rank_map: npt.ArrayLike | None = None,
     *,
     rest: str = "rest",
-) -> Layout:
-    """The :class:`~meshsim.Layout` whose dims ``names`` are ``mesh_layout`` over ``rank_map``.
+) -> tuple[Ranks, tuple[str, ...]]:
+    """The root grid and root axis names of the Layout whose dims ``names`` are
+    ``mesh_layout`` over ``rank_map`` (``Layout.from_mesh_layout`` builds it).
 
     ``rank_map`` defaults to ``0..span-1``, the smallest world the layout tiles. When the
     layout does not cover the whole rank map, the complement becomes one extra root axis named
-    ``rest`` (outermost), and the returned view shows only ``names``.
+    ``rest`` (outermost), which the Layout's view leaves out.
     """
-    from meshsim.model.layout import Layout
-
     names = tuple(names)
     if len(names) != len(mesh_layout):
         raise LayoutError(
@@ -431,7 +424,7 @@ def layout_from_mesh_layout(
     ranks = np.arange(span) if rank_map is None else np.asarray(rank_map)
     grid = mesh_layout.remap_to_tensor(ranks)
     if grid.shape[0] == 1:
-        return Layout.from_mesh(grid[0], names)
+        return grid[0], names
     if rest in names:
         raise LayoutError(f"the complement axis name {rest!r} is one of the dim names {names}")
-    return Layout.from_mesh(grid, (rest, *names))[names]
+    return grid, (rest, *names)

@@ -17,6 +17,12 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(sorted(set(small + [n // d for d in small])))
 
 
+def above_one(**sizes: int) -> dict[str, int]:
+    """The sizes a sweep spells out, in order: a size of 1 is every framework's default, so a
+    config leaves it out. ``above_one(pp=1, tp=2)`` is ``{"tp": 2}``."""
+    return {key: size for key, size in sizes.items() if size > 1}
+
+
 def ordered_factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
     """Every tuple of ``parts`` positive integers whose product is ``n``, lexicographically.
 

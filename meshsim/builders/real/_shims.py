@@ -72,15 +72,10 @@ def load(*modules: str) -> list[ModuleType]:
     (``TRITON_CACHE_DIR`` or ``OLMO_TRITON_CACHE_BASE``) OLMo's own switch
     ``OLMO_DISABLE_PER_RANK_TRITON_CACHE`` is set during the import so no directory is left behind.
     """
-    before = dict(os.environ)
-    if "TRITON_CACHE_DIR" not in before and "OLMO_TRITON_CACHE_BASE" not in before:
-        os.environ["OLMO_DISABLE_PER_RANK_TRITON_CACHE"] = "1"
-    try:
+    with unchanged_environ():
+        if "TRITON_CACHE_DIR" not in os.environ and "OLMO_TRITON_CACHE_BASE" not in os.environ:
+            os.environ["OLMO_DISABLE_PER_RANK_TRITON_CACHE"] = "1"
         return [importlib.import_module(name) for name in modules]
-    finally:
-        if dict(os.environ) != before:
-            os.environ.clear()
-            os.environ.update(before)
 
 
 @contextlib.contextmanager

@@ -35,16 +35,8 @@ from meshsim.builders._common import Entry, FrameworkRejection, collect
 from meshsim.builders.real import _shims
 from meshsim.builders.real._adapter import check_keys, framework_refusals
 from meshsim.checks import Observation
+from meshsim.model.conventions.verl import TITAN_KEYS, TITAN_KINDS
 
-TITAN_KEYS = {
-    "data_parallel_replicate_size": "dp_replicate",
-    "data_parallel_shard_size": "dp_shard",
-    "context_parallel_size": "cp",
-    "tensor_parallel_size": "tp",
-    "pipeline_parallel_size": "pp",
-    "expert_parallel_size": "ep",
-}
-TITAN_KINDS = ("pp", "batch", "loss", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 #: Modules verl's torchtitan engine imports that torchtitan 0.3.0 lacks (``lr_scheduler``) or
 #: that fail without triton on a CPU machine (torchtitan's async-EP kernels, reached through
 #: ``torchtitan.distributed.context_parallel``); neither is used to build meshes.

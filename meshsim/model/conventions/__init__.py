@@ -10,8 +10,9 @@ Each convention module provides:
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType, ModuleType
 from typing import Any, Final, Protocol, cast
 
@@ -89,3 +90,16 @@ def reject_unknown(
             f"{framework} takes no config key(s) {unknown}{hint}; its keys are: "
             f"{', '.join(parameters)}"
         )
+
+
+def upstream_error(upstream: str) -> Callable[[str], LayoutError]:
+    """A maker of the LayoutErrors of a framework that raises one exception type for its config
+    mistakes: ``_error = upstream_error("OLMoConfigurationError")``, then ``raise _error(...)``."""
+    return functools.partial(LayoutError, upstream=upstream)
+
+
+def check(condition: bool, message: str, upstream: str | None = "AssertionError") -> None:
+    """A framework's ``assert`` (or ``if ...: raise``) on a config, kept as a LayoutError naming
+    the exception it raises (``python -O`` would strip an ``assert``)."""
+    if not condition:
+        raise LayoutError(message, upstream=upstream)

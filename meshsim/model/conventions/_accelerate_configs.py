@@ -1,34 +1,37 @@
 """The configs the accelerate convention sweeps (``meshsim.layouts(n, "accelerate")``) and those
-accelerate refuses, kept apart from the reference so each module has one job."""
+accelerate refuses, kept apart from the reference so each module has one job.
+
+The sweep keeps what the reference accepts, so the reference hands in its ``expect``: this
+module never imports it back (no import circle)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from meshsim.errors import LayoutError
+from meshsim.model.expected import Expected
 from meshsim.model.sweep import divisors, ordered_factorizations
 
 __all__ = ["configs", "refused_configs"]
 
+_Expect = Callable[..., Expected]
+
 _KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 
 
-def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every ``(dp_replicate, dp_shard, cp, tp)`` split of the world (sizes of 1 left out) that
-    accelerate accepts, under the default distributed type and under each other one, in 1.15 and
-    (``versions=`` to restrict) 1.10; then DeepSpeed ``sp_size`` and AutoTP ``autotp_size`` for
-    every divisor, and ``dispatch_batches`` with FSDP x TP and FSDP x CP splits. World 8 gives
-    50 configs; :func:`refused_configs` lists rejected ones."""
-    from meshsim.model.conventions.accelerate import DISTRIBUTED_TYPES
-
+def configs(
+    world_size: int, expect: _Expect, distributed_types: Sequence[str], **options: Any
+) -> Iterator[dict[str, Any]]:
+    """The sweep behind ``accelerate.configs``, which documents it; ``expect`` and
+    ``distributed_types`` are the reference's."""
     versions = tuple(options.get("versions", ("1.15", "1.10")))
     candidates: list[dict[str, Any]] = [{}]
     for sizes in ordered_factorizations(world_size, 4):
         base = {k: s for k, s in zip(_KEYS, sizes, strict=True) if s > 1}
         if base:
             candidates.append(base)
-        candidates += [{**base, "distributed_type": kind} for kind in DISTRIBUTED_TYPES]
+        candidates += [{**base, "distributed_type": kind} for kind in distributed_types]
     for size in divisors(world_size)[1:]:
         candidates.append({"sp_size": size})
         candidates.append({"autotp_size": size})
@@ -42,17 +45,15 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     for version in versions:
         for candidate in candidates:
             config = {**candidate, "version": version} if version != "1.15" else candidate
-            if config in seen or not _accepted(world_size, config):
+            if config in seen or not _accepted(expect, world_size, config):
                 continue
-            if version != "1.15" and _same_as_115(world_size, config):
+            if version != "1.15" and _same_as_115(expect, world_size, config):
                 continue
             seen.append(config)
             yield config
 
 
-def _accepted(world_size: int, config: dict[str, Any]) -> bool:
-    from meshsim.model.conventions.accelerate import expect
-
+def _accepted(expect: _Expect, world_size: int, config: dict[str, Any]) -> bool:
     try:
         expected = expect(world_size, **config)
     except LayoutError:
@@ -69,10 +70,8 @@ def _accepted(world_size: int, config: dict[str, Any]) -> bool:
     return expected is not None
 
 
-def _same_as_115(world_size: int, config: dict[str, Any]) -> bool:
+def _same_as_115(expect: _Expect, world_size: int, config: dict[str, Any]) -> bool:
     """1.10 configs are swept only where 1.15 refuses them (the groups are otherwise equal)."""
-    from meshsim.model.conventions.accelerate import expect
-
     try:
         expect(world_size, **{k: v for k, v in config.items() if k != "version"})
     except LayoutError:

@@ -27,6 +27,19 @@ class Sizes:
     instances: int
 
 
+def _quotient(world_size: int, what: str, degrees: Sequence[int], hint: str = "") -> int:
+    """The data-parallel size the degrees leave, or the RuntimeError ``RankGenerator`` raises
+    when their product does not divide the world."""
+    product = math.prod(degrees)
+    if world_size % product:
+        raise LayoutError(
+            f"world_size {world_size} is not divisible by {what} size "
+            f"{'×'.join(map(str, degrees))} = {product}{hint}",
+            upstream="RuntimeError",
+        )
+    return world_size // product
+
+
 def validate(
     world_size: int, config: Mapping[str, Any], order: str
 ) -> tuple[Sizes, RankGenerator, RankGenerator]:
@@ -54,14 +67,12 @@ def validate(
             f"hierarchical_context_parallel_sizes must be a list of integers >= 1, got {hcp!r}"
         )
 
-    model = tp * pp * cp
-    if world_size % model:
-        raise LayoutError(
-            f"world_size {world_size} is not divisible by tensor × pipeline × context parallel "
-            f"size {tp}×{pp}×{cp} = {model}; choose degrees whose product divides the world",
-            upstream="RuntimeError",
-        )
-    dp = world_size // model
+    dp = _quotient(
+        world_size,
+        "tensor × pipeline × context parallel",
+        (tp, pp, cp),
+        "; choose degrees whose product divides the world",
+    )
     if vpp is not None and not pp > 1:
         raise LayoutError(
             f"virtual_pipeline_model_parallel_size={vpp} (interleaved schedule) needs "
@@ -69,14 +80,7 @@ def validate(
             upstream="RuntimeError",
         )
     decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
-    expert_model = etp * ep * pp
-    if world_size % expert_model:
-        raise LayoutError(
-            f"world_size {world_size} is not divisible by expert tensor × expert model × pipeline "
-            f"parallel size {etp}×{ep}×{pp} = {expert_model}",
-            upstream="RuntimeError",
-        )
-    edp = world_size // expert_model
+    edp = _quotient(world_size, "expert tensor × expert model × pipeline parallel", (etp, ep, pp))
     expert = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order=order)
     # Upstream tests the order string as given (not lowercased) here.
     if not (order.endswith("pp") or pp == 1 or edp == dp):

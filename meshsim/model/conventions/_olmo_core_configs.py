@@ -4,11 +4,15 @@ from the reference so that module keeps to one job."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 from meshsim.model.sweep import divisors, ordered_factorizations
 
-__all__ = ["configs"]
+__all__ = ["DP_TYPES", "configs"]
+
+#: ``DataParallelType`` values the reference takes and the sweep tries; kept here, below the
+#: reference, so that neither module imports the other back.
+DP_TYPES: Final = ("ddp", "fsdp", "hsdp")
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
@@ -20,9 +24,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     ``expert_mesh=False`` drops the ``build_expert_parallel_mesh`` configs (one per divisor).
     World 8 gives 90 configs.
     """
-    from meshsim.model.conventions.olmo_core import _DP_TYPES
-
-    dp_types = tuple(options.get("dp_types", _DP_TYPES))
+    dp_types = tuple(options.get("dp_types", DP_TYPES))
     yield {}
     for pp, cp, tp, dp_world in ordered_factorizations(world_size, 4):
         degrees = {key: d for key, d in (("pp", pp), ("cp", cp), ("tp", tp)) if d > 1}

@@ -25,15 +25,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from itertools import combinations
-from typing import TYPE_CHECKING, Final
+from typing import Any, Final, Protocol
 
 from meshsim.errors import LayoutError
 from meshsim.model.expected import Kind
 from meshsim.model.groups import Groups
 from meshsim.model.layout import Layout
 
-if TYPE_CHECKING:
-    from meshsim.model.conventions.torchtitan import _Views
+
+class _Views(Protocol):
+    """What the getters read of the reference's views (``torchtitan._Views``), declared here
+    so that this module needs nothing of the reference (which imports it)."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def world(self) -> Layout: ...
+    @property
+    def single(self) -> dict[str, Layout]: ...
+    @property
+    def global_meshes(self) -> dict[str, Layout]: ...
+    @property
+    def memo(self) -> dict[Any, Any]: ...
+    def exists(self, axis: str) -> bool: ...
+    def backends(self, mesh: Layout) -> tuple[str | None, ...]: ...
+
 
 SINGLETONS: Final = "include_singleton_axes=True"
 #: Every single-axis name some 0.3.0 backend registers, in registration order, then ``world``
@@ -51,6 +67,30 @@ VIEW_DIMS: Final[Mapping[str, tuple[str, ...]]] = {
     "spmd_dense_for_fwdbwd": ("dp", "cp", "tp"),
     "spmd_sparse_for_fwdbwd": ("dp_replicate", "efsdp", "ep"),
 }
+#: ``build_mesh``'s ``_single_axis_meshes`` that every backend registers: axis -> the global
+#: view it is sliced from and its dim there (None: the whole 1-D view). ``etp``, ``dp`` and
+#: ``fsdp`` or ``dp_shard`` follow, by version and backend.
+SINGLE_AXIS_VIEWS: Final[Mapping[str, tuple[str, str | None]]] = {
+    "pp": ("dataloading", "pp"),
+    "batch": ("dataloading", "batch"),
+    "loss": ("loss", None),
+    "dp_replicate": ("dense", "dp_replicate"),
+    "cp": ("dataloading", "cp"),
+    "tp": ("dataloading", "tp"),
+    "ep": ("sparse", "ep"),
+    "efsdp": ("sparse", "efsdp"),
+}
+
+
+def single_axis_meshes(views: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`SINGLE_AXIS_VIEWS` sliced from ``views`` (Layouts here, live DeviceMeshes in
+    the builder): one statement of where each axis comes from."""
+    return {
+        axis: views[view] if dim is None else views[view][dim]
+        for axis, (view, dim) in SINGLE_AXIS_VIEWS.items()
+    }
+
+
 #: ``build_mesh``'s candidate SPMD axes, dense per backend, then sparse.
 DENSE_SPMD_AXES: Final[Mapping[str, tuple[str, ...]]] = {
     "spmd_types": ("dp", "cp", "tp"),

@@ -15,6 +15,7 @@ from typing import Final
 
 from meshsim.errors import LayoutError
 from meshsim.model import torch_release
+from meshsim.model.conventions import check
 from meshsim.model.expected import Kind, layout_kind
 from meshsim.model.layout import Layout
 
@@ -31,12 +32,6 @@ class Degrees:
     pp: int
     ep: int
     etp: int
-
-
-def check(condition: bool, message: str, upstream: str = "AssertionError") -> None:
-    """torchtitan's ``assert``s, kept as LayoutErrors (``python -O`` would strip them)."""
-    if not condition:
-        raise LayoutError(message, upstream=upstream)
 
 
 def validate_dense(world_size: int, raw: Mapping[str, int], *, with_etp: bool) -> Degrees:
@@ -129,26 +124,19 @@ LEGACY_DESCRIPTIONS: Final[Mapping[str, str]] = {
     "dp_cp": "flatten(dp_replicate, dp_shard, cp): loss all-reduce",
     "ep": "expert parallel: flatten(dp_shard_in_ep, cp[, tp when etp == 1])",
 }
+#: The roles every torchtitan version gives the axis of the same name.
+AXIS_ROLES: Final = {"tensor": "tp", "context": "cp", "pipeline": "pp", "expert": "ep"}
 LEGACY_ROLES: Final[Mapping[str, str]] = {
     "data_parallel": "dp",
     "gradient_reduce": "dp_cp",  # HSDP replicates over dp_replicate and shards over dp_shard_cp
     "loss": "dp_cp",
-    "tensor": "tp",
-    "context": "cp",
-    "pipeline": "pp",
-    "expert": "ep",
+    **AXIS_ROLES,
     "expert_data": "dp_shard_mod_ep",
 }
 
 
-def legacy(d: Degrees) -> tuple[dict[str, Kind], dict[str, str], Layout | None]:
-    """Legacy ``ParallelDims.build_mesh``: (pp, dp_replicate, dp_shard, cp, tp), degree > 1 only.
-
-    With ep > 1, dp_shard is split into dp_shard_mod_ep (always kept) x dp_shard_in_ep, and
-    ``ep`` = flatten(dp_shard_in_ep, cp[, tp]). Example: world 8, dp_shard=4, tp=2, ep=4, etp=1
-    has root (dp_shard_mod_ep, dp_shard_in_ep, tp) = (2, 2, 2) and ep groups (0, 1, 2, 3), (4, 5,
-    6, 7).
-    """
+def validate_legacy(d: Degrees) -> None:
+    """Legacy ``build_mesh``'s EP checks: etp is 1 or tp, and EP's share of dp_shard is whole."""
     check(d.ep == 1 or d.etp in (1, d.tp), "Currently we only support ETP=TP or ETP=1")
     if d.ep > 1 and d.etp == d.tp:  # EP borrows all of cp and some of dp_shard
         check(
@@ -162,6 +150,17 @@ def legacy(d: Degrees) -> tuple[dict[str, Kind], dict[str, str], Layout | None]:
             f"legacy EP with etp == 1 needs ep % (cp * tp) == 0 and (dp_shard * cp * tp) % ep == "
             f"0; got ep={d.ep}, cp={d.cp}, tp={d.tp}, dp_shard={d.dp_shard}",
         )
+
+
+def legacy(d: Degrees) -> tuple[dict[str, Kind], dict[str, str], Layout | None]:
+    """Legacy ``ParallelDims.build_mesh``: (pp, dp_replicate, dp_shard, cp, tp), degree > 1 only.
+
+    With ep > 1, dp_shard is split into dp_shard_mod_ep (always kept) x dp_shard_in_ep, and
+    ``ep`` = flatten(dp_shard_in_ep, cp[, tp]). Example: world 8, dp_shard=4, tp=2, ep=4, etp=1
+    has root (dp_shard_mod_ep, dp_shard_in_ep, tp) = (2, 2, 2) and ep groups (0, 1, 2, 3), (4, 5,
+    6, 7).
+    """
+    validate_legacy(d)
     if d.ep > 1:
         borrowed = d.cp if d.etp == d.tp else d.cp * d.tp
         sizes = [
@@ -213,10 +212,7 @@ HYPER_ROLES: Final[Mapping[str, str]] = {
     "data_parallel": "dp",
     "gradient_reduce": "loss",
     "loss": "loss",
-    "tensor": "tp",
-    "context": "cp",
-    "pipeline": "pp",
-    "expert": "ep",
+    **AXIS_ROLES,
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import above_one, divisors, ordered_factorizations
 
 __all__ = ["configs", "refused_configs"]
 
@@ -23,16 +23,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     for pp, dp_replicate, fsdp, tp in ordered_factorizations(world_size, 4):
         if (pp, dp_replicate, fsdp, tp) == (1, 1, 1, 1) or (pp > 1 and dp_replicate * fsdp > 1):
             continue
-        sizes = {
-            key: size
-            for key, size in (
-                ("pp_size", pp),
-                ("dp_replicate_size", dp_replicate),
-                ("fsdp_size", fsdp),
-                ("tp_size", tp),
-            )
-            if size > 1
-        }
+        sizes = above_one(pp_size=pp, dp_replicate_size=dp_replicate, fsdp_size=fsdp, tp_size=tp)
         yield sizes
         if not expert:
             continue

@@ -28,12 +28,11 @@ which the loader then divides by.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
-from meshsim.model.conventions._accelerate_configs import configs as configs
+from meshsim.model.conventions import _accelerate_configs, reject_unknown
 from meshsim.model.conventions._accelerate_configs import refused_configs as refused_configs
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
@@ -74,6 +73,15 @@ FLATTENS: Final[Mapping[str, tuple[str, ...]]] = {
 _SIZES: Final = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 
 
+def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
+    """Every ``(dp_replicate, dp_shard, cp, tp)`` split of the world (sizes of 1 left out) that
+    accelerate accepts, under the default distributed type and under each other one, in 1.15 and
+    (``versions=`` to restrict) 1.10; then DeepSpeed ``sp_size`` and AutoTP ``autotp_size`` for
+    every divisor, and ``dispatch_batches`` with FSDP x TP and FSDP x CP splits. World 8 gives
+    50 configs; :func:`refused_configs` lists rejected ones."""
+    return _accelerate_configs.configs(world_size, expect, DISTRIBUTED_TYPES, **options)
+
+
 def expect(world_size: int, **config: Any) -> Expected:
     """Every group accelerate builds for ``ParallelismConfig(**sizes)`` on ``world_size`` ranks.
 
@@ -83,21 +91,9 @@ def expect(world_size: int, **config: Any) -> Expected:
     ``[(0, 4), (1, 5), (2, 6), (3, 7)]``, the mesh's ``dp``.
     """
     reject_unknown("accelerate", config, PARAMETERS)
-    cfg = _normalize(config)
-    _validate_config(cfg)
-    dims = [(d, cfg[f"{d}_size"]) for d in MESH_ORDER if cfg[f"{d}_size"] > 1]
-    total = math.prod(cfg[k] for k in _SIZES)
-    built = bool(dims) and not (cfg["version"] == "1.15" and cfg["sp_size"] > 1)
-    if built and total > world_size:
-        raise LayoutError(
-            f"ParallelismConfig total_size {total} > world size {world_size}: "
-            f"init_device_mesh refuses the {tuple(n for n, _ in dims)} = "
-            f"{tuple(s for _, s in dims)} mesh (Mesh should not be bigger than default world size)",
-            upstream="RuntimeError",
-        )
-    _validate_accelerator(world_size, cfg, total)
-    _validate_autotp(world_size, cfg)
-    root = Layout(dims) if built else None
+    cfg = validate(world_size, config)
+    dims = _mesh_dims(cfg)
+    root = None if dims is None else Layout(dims)
     kinds = _mesh_kinds(root)
     if cfg["distributed_type"] == "FSDP":
         kinds["fsdp_mesh"] = _fsdp_kind(world_size, root)
@@ -135,6 +131,45 @@ def expect(world_size: int, **config: Any) -> Expected:
     return Expected("accelerate", world_size, normal, kinds.values(), roles, layout=root)
 
 
+def validate(world_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    """accelerate's checks of ``config``, in its order: ``ParallelismConfig.__post_init__``,
+    ``AcceleratorState``'s CP check, ``init_device_mesh``'s size check,
+    ``_validate_accelerator`` and ``_prepare_deepspeed``'s AutoTP mesh.
+
+    Returns the config with every key present, ``version`` spelled ``"1.15"``/``"1.10"``, sizes
+    of None as 1 and ``distributed_type`` resolved: world 8, ``tp_size=2, dp_shard_size=4``
+    gives ``distributed_type`` ``"FSDP"``. Raises the LayoutError naming accelerate's exception.
+    """
+    cfg = normalize(config)
+    check_config(world_size, cfg)
+    return cfg
+
+
+def check_config(world_size: int, cfg: Mapping[str, Any]) -> None:
+    """:func:`validate`'s checks of a config :func:`normalize` made (or the same keys)."""
+    _validate_config(cfg)
+    dims = _mesh_dims(cfg)
+    total = math.prod(cfg[k] for k in _SIZES)
+    if dims is not None and total > world_size:
+        raise LayoutError(
+            f"ParallelismConfig total_size {total} > world size {world_size}: "
+            f"init_device_mesh refuses the {tuple(n for n, _ in dims)} = "
+            f"{tuple(s for _, s in dims)} mesh (Mesh should not be bigger than default world size)",
+            upstream="RuntimeError",
+        )
+    _validate_accelerator(world_size, cfg, total)
+    _validate_autotp(world_size, cfg)
+
+
+def _mesh_dims(cfg: Mapping[str, Any]) -> list[tuple[str, int]] | None:
+    """``build_device_mesh``'s kept dims; None when it builds no mesh (every size 1, or
+    DeepSpeed SP in 1.15, which makes its own groups)."""
+    dims = [(d, cfg[f"{d}_size"]) for d in MESH_ORDER if cfg[f"{d}_size"] > 1]
+    if not dims or (cfg["version"] == "1.15" and cfg["sp_size"] > 1):
+        return None
+    return dims
+
+
 def version_of(config: Mapping[str, Any]) -> str:
     """The release ``config`` models, ``"1.15"`` or ``"1.10"`` (``1.1`` and ``"1.10.0"`` too)."""
     version = _VERSION_SPELLINGS.get(config.get("version") or "1.15")
@@ -143,7 +178,10 @@ def version_of(config: Mapping[str, Any]) -> str:
     return version
 
 
-def _normalize(config: Mapping[str, Any]) -> dict[str, Any]:
+def normalize(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every key present, ``version`` spelled ``"1.15"``/``"1.10"``, sizes of None as 1 and
+    ``distributed_type`` resolved; raises for values accelerate cannot take (wrong types,
+    ``sp_size`` in 1.10, ``autotp_size`` outside DeepSpeed). No check against the world."""
     cfg = {key: config.get(key) for key in PARAMETERS}
     cfg["version"] = version_of(config)
     if cfg["version"] == "1.10" and cfg["sp_size"] is not None:

@@ -16,7 +16,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import reject_unknown, upstream_error
+from meshsim.model.conventions.areal_fsdp import engine_roles
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import divisors, ordered_factorizations
@@ -49,8 +50,7 @@ _INT_KEYS: Final = ("dp_shard", "cp", "tp", "pp", "ep", "etp", "dp_replicate")
 _DEFAULTS: Final[Mapping[str, int]] = {"dp_shard": -1, **dict.fromkeys(_INT_KEYS[1:], 1)}
 
 
-def _value_error(message: str) -> LayoutError:
-    return LayoutError(message, upstream="ValueError")
+_value_error = upstream_error("ValueError")
 
 
 def _normalize(world_size: int, config: Mapping[str, Any]) -> dict[str, int]:
@@ -148,15 +148,8 @@ def expect(world_size: int, **config: Any) -> Expected:
         for dim in root.root_names
     ]
     for alias, view in flat.items():
-        kinds.append(
-            Kind(
-                alias,
-                f"_flatten of {' x '.join(root.aliases[alias])}: {_PURPOSES[alias]}",
-                lambda view=view: view.groups(),
-                mesh_dims=(alias,),
-                mesh_shape=(view.size,),
-            )
-        )
+        axes = " x ".join(root.aliases[alias])
+        kinds.append(layout_kind(view, alias, f"_flatten of {axes}: {_PURPOSES[alias]}"))
     if cfg["ep"] > 1 and cfg["etp"] == cfg["tp"]:
         view = root["ep", "tp"]
         kinds.append(
@@ -168,19 +161,13 @@ def expect(world_size: int, **config: Any) -> Expected:
                 mesh_shape=view.shape,
             )
         )
-    roles = {
-        "data_parallel": "dp",
+    roles = engine_roles(
         # apply_fsdp(dp_shard_cp): dense gradients are reduce-scattered over dp_shard x cp.
-        "gradient_reduce": "dp_shard_cp",
-        # compute_total_loss_weight and the loss multiplier use data_parallel_group ('dp').
-        "loss": "dp",
-        "tensor": "tp",
-        "context": "cp",
-        "pipeline": "pp",
-    }
-    if cfg["ep"] > 1:
-        roles["expert"] = "ep"
-        roles["expert_data"] = "dp_shard_mod_ep"
+        gradient_reduce="dp_shard_cp",
+        context="cp",
+        pipeline="pp",
+        expert_data="dp_shard_mod_ep" if cfg["ep"] > 1 else None,
+    )
     return Expected("areal-archon", world_size, cfg, kinds, roles, layout=root)
 
 

@@ -17,10 +17,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import above_one, divisors, ordered_factorizations
 
 PARAMETERS: Final[Mapping[str, str]] = {
     "data_parallel_size": "ParallelStrategy.data_parallel_size (default 1): the 'dp' degree",
@@ -49,8 +49,7 @@ _PURPOSES: Final[Mapping[str, str]] = {
 }
 
 
-def _assertion(message: str) -> LayoutError:
-    return LayoutError(message, upstream="AssertionError")
+_assertion = upstream_error("AssertionError")
 
 
 def _normalize(config: Mapping[str, Any]) -> dict[str, int]:
@@ -195,30 +194,38 @@ def expect(world_size: int, **config: Any) -> Expected:
         layout_kind(root, dim, f"root dim {dim!r}: {_PURPOSES[dim]}", dim)
         for dim in root.root_names
     ]
-    for alias, axes in root.aliases.items():
-        view = root[alias]  # every AReaL FSDP flatten is contiguous: slicing it back is allowed
-        kinds.append(
-            Kind(
-                alias,
-                f"_flatten of {' x '.join(axes)}: {_PURPOSES[alias]}",
-                lambda view=view: view.groups(),
-                mesh_dims=(alias,),
-                mesh_shape=(view.size,),
-            )
-        )
+    # Every AReaL FSDP flatten is contiguous: slicing it back off the root is allowed.
+    kinds += [
+        layout_kind(root[alias], alias, f"_flatten of {' x '.join(axes)}: {_PURPOSES[alias]}")
+        for alias, axes in root.aliases.items()
+    ]
+    roles = engine_roles(
+        # fully_shard(mesh=dp_sp): gradients are reduce-scattered over data and Ulysses ranks.
+        gradient_reduce="dp_sp",
+        context="sp",
+        expert_data="dp_mod_ep" if cfg["expert_parallel_size"] > 1 else None,
+    )
+    return Expected("areal-fsdp", world_size, cfg, kinds, roles, layout=root)
+
+
+def engine_roles(
+    *, gradient_reduce: str, context: str, expert_data: str | None, pipeline: str | None = None
+) -> dict[str, str]:
+    """The roles of an AReaL engine's mesh (this one's and Archon's): both compute the loss
+    weight over data_parallel_group ('dp') and shard the model over 'tp'; the expert roles
+    exist with EP only (``expert_data`` None without it)."""
     roles = {
         "data_parallel": "dp",
-        # fully_shard(mesh=dp_sp): gradients are reduce-scattered over data and Ulysses ranks.
-        "gradient_reduce": "dp_sp",
-        # compute_total_loss_weight all-reduces token counts over dp_group.
+        "gradient_reduce": gradient_reduce,
         "loss": "dp",
         "tensor": "tp",
-        "context": "sp",
+        "context": context,
     }
-    if cfg["expert_parallel_size"] > 1:
-        roles["expert"] = "ep"
-        roles["expert_data"] = "dp_mod_ep"
-    return Expected("areal-fsdp", world_size, cfg, kinds, roles, layout=root)
+    if pipeline is not None:
+        roles["pipeline"] = pipeline
+    if expert_data is not None:
+        roles |= {"expert": "ep", "expert_data": expert_data}
+    return roles
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
@@ -227,15 +234,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     Only keys that differ from AReaL's default 1 are given. World 8 gives 39 configs.
     """
     for dp, sp, tp in ordered_factorizations(world_size, 3):
-        base = {
-            key: value
-            for key, value in (
-                ("data_parallel_size", dp),
-                ("context_parallel_size", sp),
-                ("tensor_parallel_size", tp),
-            )
-            if value > 1
-        }
+        base = above_one(data_parallel_size=dp, context_parallel_size=sp, tensor_parallel_size=tp)
         yield base
         modes = (1, tp) if tp > 1 else (1,)
         for etp in modes:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import check, reject_unknown
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import divisors
@@ -141,24 +141,24 @@ def _build_folding_spec(world_size: int, **sizes: Any) -> int:
                 f"{path} must be a positive integer, got {value!r}", upstream="ValueError"
             )
     pp, tp, ep, etp = (sizes[k] for k in _CONFIG_PATH)
-    if world_size % pp:
-        raise LayoutError(
-            f"pp_size={pp} must divide world_size={world_size} (build_folding_spec)",
-            upstream="ValueError",
-        )
+    check(
+        world_size % pp == 0,
+        f"pp_size={pp} must divide world_size={world_size} (build_folding_spec)",
+        "ValueError",
+    )
     stage = world_size // pp
-    if stage % tp:
-        raise LayoutError(
-            f"tensor_parallel.autotp_size={tp} must divide the stage size {stage} "
-            "(build_folding_spec: dense dp would be non-integral)",
-            upstream="ValueError",
-        )
-    if stage % (ep * etp):
-        raise LayoutError(
-            f"autoep_size * expert_tensor_parallel_size ({ep} * {etp}) must divide the stage "
-            f"size {stage} (build_folding_spec: edp would be non-integral)",
-            upstream="ValueError",
-        )
+    check(
+        stage % tp == 0,
+        f"tensor_parallel.autotp_size={tp} must divide the stage size {stage} "
+        "(build_folding_spec: dense dp would be non-integral)",
+        "ValueError",
+    )
+    check(
+        stage % (ep * etp) == 0,
+        f"autoep_size * expert_tensor_parallel_size ({ep} * {etp}) must divide the stage "
+        f"size {stage} (build_folding_spec: edp would be non-integral)",
+        "ValueError",
+    )
     return stage
 
 

@@ -24,13 +24,14 @@ For dp, tp, pp, mp and amax this equals Megatron-LM order ``tp-dp-pp``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import check, reject_unknown
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
 from meshsim.model.layout import Layout
@@ -53,25 +54,18 @@ PARAMETERS: Final[Mapping[str, str]] = {
 #: Roles per variant. Both feed DeepSpeed ``get_sequence_data_parallel_group()`` (seq_dp) for
 #: gradients and ZeRO; the logged loss is averaged over ``get_data_parallel_group()``, which is
 #: dp upstream and seq_dp in the Habana 2024 line.
+_UPSTREAM_ROLES: Final[Mapping[str, str]] = {
+    "data_parallel": "dp",
+    "gradient_reduce": "seq_dp",
+    "tensor": "tp",
+    "context": "sp",
+    "pipeline": "pp",
+    "embedding": "embedding",
+    "loss": "dp",
+}
 ROLES: Final[Mapping[str, Mapping[str, str]]] = {
-    "upstream": {
-        "data_parallel": "dp",
-        "gradient_reduce": "seq_dp",
-        "tensor": "tp",
-        "context": "sp",
-        "pipeline": "pp",
-        "embedding": "embedding",
-        "loss": "dp",
-    },
-    "habana-2024": {
-        "data_parallel": "dp",
-        "gradient_reduce": "seq_dp",
-        "tensor": "tp",
-        "context": "sp",
-        "pipeline": "pp",
-        "embedding": "embedding",
-        "loss": "seq_dp",
-    },
+    "upstream": _UPSTREAM_ROLES,
+    "habana-2024": {**_UPSTREAM_ROLES, "loss": "seq_dp"},
 }
 
 #: kind -> what hands it out, per variant (the getter, or the module global it stays in).
@@ -113,22 +107,11 @@ def expect(world_size: int, **config: Any) -> Expected:
     all 8 ranks (``get_data_parallel_group()`` with ``variant="habana-2024"``).
     """
     reject_unknown("megatron-deepspeed", config, PARAMETERS)
-    variant = config.get("variant", "upstream")
-    if variant not in VARIANTS:
-        raise LayoutError(
-            f"unknown megatron-deepspeed variant {variant!r}; variants are {VARIANTS}"
-        )
-    tp = _degree(config, "tensor_model_parallel_size")
-    pp = _degree(config, "pipeline_model_parallel_size")
-    sp = _degree(config, "sequence_parallel_size")
+    checked = validate(world_size, config)
+    variant, tp, pp, sp, dp, split = dataclasses.astuple(checked)
     vpp = config.get("virtual_pipeline_model_parallel_size")
-    split = config.get("pipeline_model_parallel_split_rank")
-    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, np.integer))):
-        raise LayoutError(f"pipeline_model_parallel_split_rank must be an integer, got {split!r}")
-    split = None if split is None else int(split)
     use_fp8 = bool(config.get("use_fp8", False))
     gloo = bool(config.get("use_distributed_optimizer", False))
-    dp = _validate(world_size, tp, pp, sp, vpp, split)
     layout = Layout(pp=pp, dp=dp, sp=sp, tp=tp)
     said = DESCRIPTIONS[variant]
 
@@ -158,6 +141,38 @@ def expect(world_size: int, **config: Any) -> Expected:
     return Expected("megatron-deepspeed", world_size, normal, kinds, roles, layout=layout)
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A config past ``initialize_model_parallel``'s checks: variant, degrees, split rank."""
+
+    variant: str
+    tp: int
+    pp: int
+    sp: int
+    dp: int
+    split: int | None
+
+
+def validate(world_size: int, config: Mapping[str, Any]) -> Checked:
+    """``initialize_model_parallel``'s checks of ``config``, in its order, and the data-parallel
+    degree they leave: world 8, ``sequence_parallel_size=2`` gives dp 4."""
+    variant = config.get("variant", "upstream")
+    if variant not in VARIANTS:
+        raise LayoutError(
+            f"unknown megatron-deepspeed variant {variant!r}; variants are {VARIANTS}"
+        )
+    tp = _degree(config, "tensor_model_parallel_size")
+    pp = _degree(config, "pipeline_model_parallel_size")
+    sp = _degree(config, "sequence_parallel_size")
+    vpp = config.get("virtual_pipeline_model_parallel_size")
+    split = config.get("pipeline_model_parallel_split_rank")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, np.integer))):
+        raise LayoutError(f"pipeline_model_parallel_split_rank must be an integer, got {split!r}")
+    split = None if split is None else int(split)
+    dp = _validate(world_size, tp, pp, sp, vpp, split)
+    return Checked(variant, tp, pp, sp, dp, split)
+
+
 def _degree(config: Mapping[str, Any], key: str) -> int:
     """Any integer: 0 and negative degrees get upstream's own arithmetic (see ``_validate``)."""
     value = config.get(key, 1)
@@ -174,29 +189,29 @@ def _validate(world: int, tp: int, pp: int, sp: int, vpp: Any, split: int | None
     with groups missing, and the first getter that needs one fails its assert (or, when the
     model-parallel loop still runs, torch refuses its ``new_group([])``).
     """
-    if tp * pp == 0:
-        raise LayoutError(
-            f"tensor_model_parallel_size ({tp}) × pipeline_model_parallel_size ({pp}) is 0: "
-            f"world_size % 0 divides by zero",
-            upstream="ZeroDivisionError",
-        )
-    if world % (tp * pp):
-        raise LayoutError(
-            f"world_size {world} is not divisible by tensor_model_parallel_size ({tp}) × "
-            f"pipeline_model_parallel_size ({pp}) = {tp * pp}",
-            upstream="RuntimeError",
-        )
-    if sp > 1 and (tp != 1 or pp != 1):
-        raise LayoutError(
-            f"DeepSpeed sequence parallelism (sequence_parallel_size={sp}) works only with "
-            f"tensor and pipeline parallel size 1, got tp={tp}, pp={pp}",
-            upstream="AssertionError",
-        )
-    if sp > 1 and world % sp:
-        raise LayoutError(
-            f"world_size {world} is not divisible by sequence_parallel_size {sp}",
-            upstream="RuntimeError",
-        )
+    check(
+        tp * pp != 0,
+        f"tensor_model_parallel_size ({tp}) × pipeline_model_parallel_size ({pp}) is 0: "
+        f"world_size % 0 divides by zero",
+        "ZeroDivisionError",
+    )
+    check(
+        world % (tp * pp) == 0,
+        f"world_size {world} is not divisible by tensor_model_parallel_size ({tp}) × "
+        f"pipeline_model_parallel_size ({pp}) = {tp * pp}",
+        "RuntimeError",
+    )
+    check(
+        sp <= 1 or (tp == 1 and pp == 1),
+        f"DeepSpeed sequence parallelism (sequence_parallel_size={sp}) works only with "
+        f"tensor and pipeline parallel size 1, got tp={tp}, pp={pp}",
+        "AssertionError",
+    )
+    check(
+        sp <= 1 or world % sp == 0,
+        f"world_size {world} is not divisible by sequence_parallel_size {sp}",
+        "RuntimeError",
+    )
     if sp == 0 or world // (tp * pp * sp) == 0:
         raise LayoutError(
             f"the data-parallel degree world_size // (tp × pp × sp) = {world} // ({tp} × {pp} × "

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import reject_unknown, upstream_error
+from meshsim.model.conventions._olmo_core_configs import DP_TYPES as _DP_TYPES
 from meshsim.model.conventions._olmo_core_configs import configs as configs
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.layout import Layout
@@ -39,7 +40,6 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "expert_mesh_ep": "also build_expert_parallel_mesh with this degree (< 0: the whole world)",
 }
 
-_DP_TYPES: Final = ("ddp", "fsdp", "hsdp")
 _CONFIG_CLASS: Final = {
     "pp": "PipelineParallelConfig",
     "cp": "ContextParallelConfig",
@@ -60,8 +60,7 @@ _GETTERS: Final[Mapping[str, str]] = {
 }
 
 
-def _error(message: str) -> LayoutError:
-    return LayoutError(message, upstream="OLMoConfigurationError")
+_error = upstream_error("OLMoConfigurationError")
 
 
 def expect(world_size: int, **config: Any) -> Expected:
@@ -132,7 +131,20 @@ def _normalize(config: Mapping[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _world_dims(world_size: int, cfg: Mapping[str, Any]) -> list[tuple[str, int]]:
+def world_dims(world_size: int, config: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """``build_world_mesh``'s checks, in OLMo's order, and its world mesh's (name, size) dims.
+
+    An HSDP split that does not cover the DP world passes: OLMo hands it to torch unchecked,
+    and a builder lets torch refuse it (:func:`expect` refuses it itself, see
+    :func:`_split_error`). Example: world 8, ``dp="hsdp", num_replicas=2, cp=2`` gives
+    ``[("dp_replicate", 2), ("dp_shard", 2), ("cp", 2)]``.
+    """
+    return _world_dims(world_size, _normalize(config), split_checked=False)
+
+
+def _world_dims(
+    world_size: int, cfg: Mapping[str, Any], *, split_checked: bool = True
+) -> list[tuple[str, int]]:
     """``build_world_mesh``: validation in OLMo's order, then the dims of the present configs."""
     dp, pp, cp, tp, ep = cfg["dp"], cfg["pp"], cfg["cp"], cfg["tp"], cfg["ep"]
     if dp is None and pp is None and cp is None and tp is None and ep is None:
@@ -172,7 +184,8 @@ def _world_dims(world_size: int, cfg: Mapping[str, Any]) -> list[tuple[str, int]
     else:
         dims.append(("dp", dp_world))
     dims += [(key, degree) for key, degree in (("cp", cp), ("tp", tp)) if degree is not None]
-    if split is not None and split[0] * split[1] != dp_world:  # checked by init_device_mesh
+    # OLMo leaves this to init_device_mesh; the reference says what torch then raises.
+    if split_checked and split is not None and split[0] * split[1] != dp_world:
         raise _split_error(world_size, dp_world, dims, split)
     return dims
 
@@ -258,6 +271,12 @@ def _split_error(
 
 def _expert_root(world_size: int, degree: int) -> Layout:
     """``build_expert_parallel_mesh``: (ep_replicate, ep_shard) = (world / ep, ep)."""
+    return Layout(expert_dims(world_size, degree))
+
+
+def expert_dims(world_size: int, degree: int) -> list[tuple[str, int]]:
+    """``build_expert_parallel_mesh``'s checks and its mesh's dims: world 8, degree 2 gives
+    ``[("ep_replicate", 4), ("ep_shard", 2)]``; a degree < 0 is the whole world."""
     ep = world_size if degree < 0 else degree
     if ep == 0:
         raise LayoutError(
@@ -269,23 +288,29 @@ def _expert_root(world_size: int, degree: int) -> Layout:
             f"Expert parallelism requires world size ({world_size}) to be divisible by 'degree' "
             f"({ep})"
         )
-    return Layout([("ep_replicate", world_size // ep), ("ep_shard", ep)])
+    return [("ep_replicate", world_size // ep), ("ep_shard", ep)]
 
 
 # -- the getters, on a Layout standing for the mesh -----------------------------------------------
 Names = tuple[str, ...]
 
 
-def _flatten_dims(root: Layout, dims: Names, name: str, names: Names) -> tuple[Layout, Names]:
-    """``_flatten_dims``: register ``name`` on the root, and rename ``dims`` in ``names``."""
-    root = root[dims].flatten(name=name).root()
+def flattened_names(names: Names, dims: Names, name: str) -> Names:
+    """``_flatten_dims``' renaming: ``dims`` in ``names`` become one ``name`` where the first
+    of them stood: ``("dp_replicate", "dp_shard", "cp")`` with ``("dp_shard", "cp")`` flattened
+    to ``"dp_cp"`` reads ``("dp_replicate", "dp_cp")``."""
     out: list[str] = []
     for n in names:
         if n not in dims:
             out.append(n)
         elif name not in out:
             out.append(name)
-    return root, tuple(out)
+    return tuple(out)
+
+
+def _flatten_dims(root: Layout, dims: Names, name: str, names: Names) -> tuple[Layout, Names]:
+    """``_flatten_dims``: register ``name`` on the root, and rename ``dims`` in ``names``."""
+    return root[dims].flatten(name=name).root(), flattened_names(names, dims, name)
 
 
 def _fold_ep(root: Layout, names: Names) -> tuple[Layout, Names]:

@@ -30,15 +30,16 @@ from typing import Any, Final
 from meshsim.errors import LayoutError
 from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import _torchtitan_api as api
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import check, reject_unknown
 from meshsim.model.conventions._torchtitan_legacy import (
+    AXIS_ROLES,
     Degrees,
-    check,
     hyper_parallel,
     legacy,
     pick_roles,
     validate_dense,
     validate_hyper,
+    validate_legacy,
 )
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.groups import Groups
@@ -89,10 +90,7 @@ _ROLES: Final[Mapping[str, str]] = {
     "data_parallel": "batch",
     "gradient_reduce": "loss",
     "loss": "loss",
-    "tensor": "tp",
-    "context": "cp",
-    "pipeline": "pp",
-    "expert": "ep",
+    **AXIS_ROLES,
     "expert_data": "efsdp",
 }
 
@@ -105,18 +103,18 @@ def expect(world_size: int, **config: Any) -> Expected:
     """
     reject_unknown("torchtitan", config, PARAMETERS)
     version, backend, raw, ulysses = _parse(config)
+    degrees = _degrees(world_size, version, raw, ulysses)
     normal: dict[str, Any] = {"version": version}
     primary = None
     if version == "legacy":
-        degrees = validate_dense(world_size, raw, with_etp=True)
         kinds, roles, layout = legacy(degrees)
     elif version == "hyper_parallel":
-        degrees = validate_hyper(world_size, raw, ulysses)
         kinds, roles, layout = hyper_parallel(degrees)
         if ulysses is not None:
             normal["ulysses_degree"] = ulysses
     else:
-        views = _views(world_size, version, backend, raw)
+        assert backend is not None  # _parse gives every multi-view version its default
+        views = _views(version, backend, degrees)
         _torch_release.require_unflatten(f"torchtitan {version!r} build_mesh")
         degrees = views.degrees
         kinds = views.kinds()
@@ -134,6 +132,30 @@ def expect(world_size: int, **config: Any) -> Expected:
     return Expected(
         "torchtitan", world_size, normal, kinds.values(), roles, layout=layout, primary=primary
     )
+
+
+def validate(world_size: int, config: Mapping[str, Any]) -> tuple[str, str | None, Degrees]:
+    """torchtitan's checks of ``config`` for its version, in its order: the version, the SPMD
+    backend (None for legacy and hyper_parallel) and the validated degrees, ``dp_shard``
+    resolved. Example: world 8, ``tp=2`` gives ``("current", "spmd_types", ...)`` with
+    ``dp_shard`` 4."""
+    version, backend, raw, ulysses = _parse(config)
+    return version, backend, _degrees(world_size, version, raw, ulysses)
+
+
+def _degrees(world_size: int, version: str, raw: Mapping[str, int], ulysses: int | None) -> Degrees:
+    if version == "legacy":
+        d = validate_dense(world_size, raw, with_etp=True)
+        validate_legacy(d)
+        return d
+    if version == "hyper_parallel":
+        return validate_hyper(world_size, raw, ulysses)
+    d = validate_dense(world_size, raw, with_etp=version != "current")
+    if version == "current":
+        _check_ep_divides(d)
+    else:
+        check(d.ep == 1 or d.etp in (1, d.tp), "Currently we only support ETP=TP or ETP=1")
+    return d
 
 
 def _parse(config: Mapping[str, Any]) -> tuple[str, str | None, dict[str, int], int | None]:
@@ -263,21 +285,11 @@ def _check_ep_divides(d: Degrees) -> None:
     )
 
 
-def _views(world_size: int, version: str, backend: str | None, raw: Mapping[str, int]) -> _Views:
-    if version == "current":
-        d = validate_dense(world_size, raw, with_etp=False)
-        _check_ep_divides(d)
-        expert_axes, expert_sizes = ("ep",), (d.ep,)
-    elif version == "intermediate":
-        d = validate_dense(world_size, raw, with_etp=True)
-        check(d.ep == 1 or d.etp in (1, d.tp), "Currently we only support ETP=TP or ETP=1")
-        expert_axes, expert_sizes = ("ep", "etp"), (d.ep, d.etp)
-    else:
-        raise LayoutError(
-            f"get_mesh and get_all_one_dimensional_meshes exist in versions 'current' and "
-            f"'intermediate'; version {version!r} has one root mesh: slice expect(...).layout"
-        )
-    assert backend is not None
+def _views(version: str, backend: str, d: Degrees) -> _Views:
+    """The views the current/intermediate ``build_mesh`` unflattens the world into."""
+    world_size = d.world_size
+    expert_axes = ("ep",) if version == "current" else ("ep", "etp")
+    expert_sizes = (d.ep,) if version == "current" else (d.ep, d.etp)
     world = Layout(world=world_size)
 
     def unflatten(names: tuple[str, ...], sizes: tuple[int, ...]) -> Layout:
@@ -314,16 +326,7 @@ def _views(world_size: int, version: str, backend: str | None, raw: Mapping[str,
         global_meshes["spmd_dense_for_fwdbwd"] = fwdbwd
         if d.ep > 1:
             global_meshes["spmd_sparse_for_fwdbwd"] = sparse["dp_replicate", "efsdp", "ep"]
-    single = {
-        "pp": dataloading["pp"],
-        "batch": dataloading["batch"],
-        "loss": loss,
-        "dp_replicate": dense["dp_replicate"],
-        "cp": dataloading["cp"],
-        "tp": dataloading["tp"],
-        "ep": sparse["ep"],
-        "efsdp": sparse["efsdp"],
-    }
+    single = api.single_axis_meshes(global_meshes)
     if "etp" in expert_axes:
         single["etp"] = sparse["etp"]
     if fwdbwd is not None:
@@ -337,8 +340,13 @@ def _views(world_size: int, version: str, backend: str | None, raw: Mapping[str,
 
 def _views_for(world_size: int, config: Mapping[str, Any]) -> _Views:
     reject_unknown("torchtitan", config, PARAMETERS)
-    version, backend, raw, _ = _parse(config)
-    return _views(world_size, version, backend, raw)
+    version, backend, raw, ulysses = _parse(config)
+    if version not in _UNFLATTENING or backend is None:
+        raise LayoutError(
+            f"get_mesh and get_all_one_dimensional_meshes exist in versions 'current' and "
+            f"'intermediate'; version {version!r} has one root mesh: slice expect(...).layout"
+        )
+    return _views(version, backend, _degrees(world_size, version, raw, ulysses))
 
 
 def get_mesh(world_size: int, dims: str | Sequence[str], **config: Any) -> Layout:

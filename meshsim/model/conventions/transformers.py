@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import reject_unknown
+from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.conventions._transformers_configs import configs as configs
 from meshsim.model.conventions._transformers_configs import refused_configs as refused_configs
 from meshsim.model.expected import Expected, Kind, layout_kind
@@ -47,8 +47,7 @@ EXPERT_DIMS: Final = ("pp", "dp_replicate", "efsdp", "ep")
 _SIZES: Final = ("tp_size", "fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
 
 
-def _value_error(message: str) -> LayoutError:
-    return LayoutError(message, upstream="ValueError")
+_value_error = upstream_error("ValueError")
 
 #: Dims of two meshes that are one group by design (``meshsim.check_meshes`` accepts them): the
 #: Trainer hands accelerate ``dp_shard_size = dp_size``, which is the model's ``fsdp`` group
