@@ -7,8 +7,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,10 +43,5 @@ def test_model_and_builders_have_no_import_circle() -> None:
     assert inside == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="circles in meshsim/cli, checks, harness are untied on the other issue-18 branch; "
-    "unmark once it is merged",
-)
 def test_meshsim_has_no_import_circle() -> None:
     assert cycles.import_cycles(ROOT / "meshsim") == []

@@ -21,21 +21,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim import torch_private
-from meshsim.builders._common import (
-    Entry,
-    all_groups,
-    collect,
-    flatten,
-    mesh,
-    new_groups,
-    reference_rules,
-)
+from meshsim.builders import _common
+from meshsim.builders._common import Entry, all_groups, collect, flatten, mesh
 from meshsim.checks import Observation
 from meshsim.model.conventions import megatron_deepspeed
 
 
 def build(world_size: int, config: Mapping[str, Any]) -> Observation:
-    with reference_rules():
+    with _common.reference_rules():
         checked = megatron_deepspeed.validate(world_size, config)
     variant, tp, pp, sp, dp, split = dataclasses.astuple(checked)
 
@@ -67,7 +60,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
 def _gloo_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
     """``new_group(ranks, backend="gloo")`` for every dp group; this rank's (a seam the tests
     replace)."""
-    return new_groups(groups, gloo=True)
+    return _common.new_groups(groups, gloo=True)
 
 
 def _embedding_groups(world: DeviceMesh, pp: int, split: int | None) -> dict[str, Entry]:
@@ -86,4 +79,7 @@ def _embedding_groups(world: DeviceMesh, pp: int, split: int | None) -> dict[str
             emb = pos = list(ranks)
         embedding.append(emb)
         position.append(pos)
-    return {"embedding": new_groups(embedding), "position_embedding": new_groups(position)}
+    return {
+        "embedding": _common.new_groups(embedding),
+        "position_embedding": _common.new_groups(position),
+    }
