@@ -37,6 +37,8 @@ SOURCES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LANGUAGES = {"python": "python", "py": "python", "bash": "shell", "sh": "shell",
              "shell": "shell", "console": "shell"}  # fmt: skip
 TIMEOUT_S = 300
+#: Slow examples are whole sweeps and benchmarks: minutes each on 2 loaded cores.
+TIMEOUT_SLOW_S = 1800
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+)\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"<!--\s*example:\s*(?P<spec>.*?)\s*-->")
@@ -116,17 +118,17 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(SUPPORT), *filter(None, [env.get("PYTHONPATH")])]
     )
-    env.setdefault("MESHSIM_TEST_DOCS", "1")
     return env
 
 
 def _run(argv: list[str], cwd: Path, example: Example) -> subprocess.CompletedProcess[str]:
+    timeout = TIMEOUT_SLOW_S if "slow" in example.options else TIMEOUT_S
     try:
         return subprocess.run(
-            argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+            argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{example.id}: {shlex.join(argv)} ran past {TIMEOUT_S} s")
+        pytest.fail(f"{example.id}: {shlex.join(argv)} ran past {timeout} s")
 
 
 def _commands(code: str) -> list[list[str]]:
