@@ -1,0 +1,161 @@
+"""Generates the tables of each convention page from the code, so they cannot go stale."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: One representative config per convention, at world 8: the groups a reader sees first.
+#: A key missing here fails the docs build (and tests/docs), so a new convention gets one.
+REPRESENTATIVE: dict[str, dict[str, Any]] = {
+    "torch": {
+        "mesh_shape": (2, 2, 2),
+        "mesh_dim_names": ("dp", "cp", "tp"),
+        "ops": ["flatten dp,cp"],
+    },
+    "olmo-core": {"dp": "hsdp", "num_replicas": 2, "cp": 2},
+    "torchtitan": {"dp_shard": 2, "cp": 2, "tp": 2},
+    "megatron": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    "megatron-deepspeed": {"sequence_parallel_size": 2},
+    "deepspeed": {"num_pp": 2, "num_mp": 2, "num_dp": 2},
+    "deepspeed-autoep": {"ep_size": 2},
+    "accelerate": {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2},
+    "transformers": {"tp_size": 2, "fsdp_size": 4},
+    "lightning": {"data_parallel_size": 4, "tensor_parallel_size": 2},
+    "verl": {"strategy": "fsdp2", "fsdp_size": 4},
+    "areal": {"num_pp": 2, "num_dp": 2, "num_tp": 2},
+    "areal-fsdp": {"data_parallel_size": 4, "tensor_parallel_size": 2},
+    "areal-archon": {"dp_shard": 2, "cp": 2, "tp": 2},
+}
+WORLD = 8
+#: Refused configs shown per page; the rest are counted.
+MAX_REFUSALS = 12
+#: Conventions whose ``refused_configs`` lives beside the convention module, not on it.
+_REFUSALS_IN: dict[str, str] = {"torchtitan": "meshsim.model.conventions._torchtitan_api"}
+_MARKER = re.compile(r"<!--\s*generated:\s*convention\s+(\S+)\s*-->")
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: object) -> str:
+    return f"`{_cell(text)}`"
+
+
+def _config(config: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in config.items())
+
+
+def _first_groups(groups: Iterable[tuple[int, ...]], shown: int = 3) -> str:
+    groups = list(groups)
+    text = ", ".join(str(tuple(g)) for g in groups[:shown])
+    more = len(groups) - shown
+    return text + (f", ... {more} more" if more > 0 else "")
+
+
+def parameters_table(framework: str) -> str:
+    from meshsim.model.conventions import convention
+
+    rows = ["| config key | what it is (the framework's own call) |", "|---|---|"]
+    for key, description in convention(framework).PARAMETERS.items():
+        rows.append(f"| {_code(key)} | {_cell(description)} |")
+    return "\n".join(rows)
+
+
+def kinds_table(framework: str) -> str:
+    import meshsim
+
+    config = REPRESENTATIVE[framework]
+    exp = meshsim.expect(framework, WORLD, **config)
+    roles_of: dict[str, list[str]] = {}
+    for role, kind in exp.roles.items():
+        roles_of.setdefault(kind, []).append(role)
+    available = exp.kinds()
+    unavailable = exp.unavailable()
+    primary = exp.primary_kinds()
+    lines = [
+        f"`meshsim.expect({framework!r}, {WORLD}, {_config(config)})`"
+        f" (`meshsim show {framework} -n {WORLD} ...` prints the same):",
+        "",
+        "| kind | upstream call | groups | first groups | role |",
+        "|---|---|--:|---|---|",
+    ]
+    for name in primary:
+        role = ", ".join(roles_of.get(name, []))
+        if name in available:
+            groups = exp.groups(name)
+            lines.append(
+                f"| {_code(name)} | {_cell(available[name])} | {len(groups)} "
+                f"| {_cell(_first_groups(groups))} | {role} |"
+            )
+        else:
+            error = unavailable[name]
+            lines.append(f"| {_code(name)} | unavailable: {_cell(error)} | 0 | | {role} |")
+    hidden = len(available) + len(unavailable) - len(primary)
+    if hidden > 0:
+        lines += [
+            "",
+            f"Plus {hidden} more kinds (each getter call and view dim): "
+            f"`meshsim show {framework} --all-kinds` lists them.",
+        ]
+    lines += [
+        "",
+        "Roles under this config: "
+        + ", ".join(f"`{role}` → `{kind}`" for role, kind in exp.roles.items())
+        + ".",
+    ]
+    return "\n".join(lines)
+
+
+def refusals_table(framework: str) -> str:
+    import importlib
+
+    import meshsim
+    from meshsim.model.conventions import CONVENTIONS
+
+    module = importlib.import_module(_REFUSALS_IN.get(framework, CONVENTIONS[framework]))
+    refused = getattr(module, "refused_configs", None)
+    if refused is None:
+        return f"`{framework}` lists no refused configs of its own (`refused_configs`)."
+    configs = list(refused(WORLD))
+    lines = [
+        f"`refused_configs({WORLD})`: {len(configs)} configs the framework itself rejects; "
+        "the reference raises `meshsim.LayoutError` naming upstream's exception.",
+        "",
+        "| config | refusal |",
+        "|---|---|",
+    ]
+    for config in configs[:MAX_REFUSALS]:
+        try:
+            meshsim.expect(framework, WORLD, **config)
+        except meshsim.LayoutError as err:
+            message = str(err).splitlines()[0]
+        else:  # a listed refusal the reference accepts: make the build fail, loudly
+            raise RuntimeError(f"{framework}: refused config {config} is accepted")
+        if len(message) > 160:
+            message = message[:157] + "..."
+        lines.append(f"| {_code(_config(config))} | {_cell(message)} |")
+    if len(configs) > MAX_REFUSALS:
+        lines.append(f"| ... {len(configs) - MAX_REFUSALS} more | |")
+    return "\n".join(lines)
+
+
+def render(framework: str) -> str:
+    """The generated part of one convention page."""
+    return "\n\n".join(
+        [
+            "## Config keys",
+            parameters_table(framework),
+            "## Kinds and roles",
+            kinds_table(framework),
+            "## Refused configs",
+            refusals_table(framework),
+        ]
+    )
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    """mkdocs hook: replace ``<!-- generated: convention NAME -->`` with the tables."""
+    return _MARKER.sub(lambda match: render(match.group(1)), markdown)

@@ -1,0 +1,1 @@
+"""The downstream project the documentation's first test checks (a stand-in for yours)."""
