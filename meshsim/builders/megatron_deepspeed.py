@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim import torch_private
 from meshsim.builders import _common
-from meshsim.builders._common import Entry, all_groups, collect, flatten, mesh
+from meshsim.builders._common import Entry, all_groups, collect, flatten, mesh, new_groups
 from meshsim.checks import Observation
 from meshsim.model.conventions import megatron_deepspeed
 
@@ -60,7 +60,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
 def _gloo_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
     """``new_group(ranks, backend="gloo")`` for every dp group; this rank's (a seam the tests
     replace)."""
-    return _common.new_groups(groups, gloo=True)
+    return new_groups(groups, gloo=True)
 
 
 def _embedding_groups(world: DeviceMesh, pp: int, split: int | None) -> dict[str, Entry]:
@@ -80,6 +80,6 @@ def _embedding_groups(world: DeviceMesh, pp: int, split: int | None) -> dict[str
         embedding.append(emb)
         position.append(pos)
     return {
-        "embedding": _common.new_groups(embedding),
-        "position_embedding": _common.new_groups(position),
+        "embedding": new_groups(embedding),
+        "position_embedding": new_groups(position),
     }
