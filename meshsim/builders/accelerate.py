@@ -40,7 +40,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     mesh; ``tp`` is ``(0, 1)`` on rank 0 and the loader's replica group ``(0, 2, 4, 6)``.
     """
     version, kind, sizes, autotp = _settings(config)
-    _check(world_size, version, kind, sizes, autotp)
+    _check(world_size, config)
     root = build_device_mesh(version, sizes)
     entries: dict[str, Entry] = {}
     for name in (*ORDER, *(n for n, _ in FLATTENS)):
@@ -62,8 +62,8 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
 
 def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
     """The ParallelismConfig mesh (none when accelerate builds none)."""
-    version, kind, sizes, autotp = _settings(config)
-    _check(world_size, version, kind, sizes, autotp)
+    version, _, sizes, _ = _settings(config)
+    _check(world_size, config)
     root = build_device_mesh(version, sizes)
     return {} if root is None else {"main": root}
 
@@ -77,14 +77,12 @@ def _settings(config: Mapping[str, Any]) -> tuple[str, str, dict[str, int], int]
     return cfg["version"], cfg["distributed_type"], sizes, cfg["autotp_size"] or 0
 
 
-def _check(world_size: int, version: str, kind: str, sizes: dict[str, int], autotp: int) -> None:
+def _check(world_size: int, config: Mapping[str, Any]) -> None:
     """``__post_init__``, ``AcceleratorState``'s CP check, ``init_device_mesh``'s size check,
     ``_validate_accelerator`` and the AutoTP mesh's size check, in accelerate's order: the
     convention's statement of them."""
-    cfg = {f"{dim}_size": size for dim, size in sizes.items()}
-    cfg |= {"version": version, "distributed_type": kind, "autotp_size": autotp}
     with reference_rules():
-        accelerate.check_config(world_size, cfg)
+        accelerate.check_config(world_size, accelerate.normalize(config))
 
 
 def build_device_mesh(version: str, sizes: Mapping[str, int]) -> DeviceMesh | None:

@@ -303,12 +303,16 @@ def live_views(meshes: Mapping[str, DeviceMesh]) -> list[MeshView]:
 
 
 def _equal_to(mesh: DeviceMesh, objects: Sequence[DeviceMesh]) -> int | None:
-    """The first *other* mesh object that ``mesh`` compares and hashes equal to (by position),
-    or None: one object passed under two names is the same mesh, not a collision."""
-    for position, other in enumerate(objects):
-        if other is not mesh and other == mesh and hash(other) == hash(mesh):
-            return min(position, objects.index(mesh))
-    return None
+    """Where the first of ``mesh``'s twins stands in ``objects`` (``mesh`` itself included):
+    twins are *other* objects that compare and hash equal, so every twin gets the same answer.
+    None without one: one object passed under two names is the same mesh, not a collision."""
+    twins = [
+        i
+        for i, other in enumerate(objects)
+        if other is mesh or (other == mesh and hash(other) == hash(mesh))
+    ]
+    alone = all(objects[i] is mesh for i in twins)
+    return None if alone else twins[0]
 
 
 # -- the checks users call ---------------------------------------------------------------------
@@ -320,28 +324,33 @@ def check_meshes(
     data_dims: Mapping[str, Sequence[str] | str | None] | None = None,
     same_groups: Iterable[tuple[str, str]] = (),
     independent: bool = False,
+    framework: str | None = None,
 ) -> list[Disagreement]:
     """Where several meshes of one job disagree: data rank, names, communicators.
 
     ``meshes`` is either this rank's live meshes by name (call it on every rank; nothing is
     communicated) or a reference :class:`~meshsim.Expected`, whose ``layout`` (named
-    ``"main"``) and ``meshes`` are compared on every rank. See :class:`Rules` for the options.
+    ``"main"``) and ``meshes`` are compared on every rank. See :class:`Rules` for the options;
+    the groups ``framework``'s convention declares one on purpose are accepted too (a
+    reference's own framework by default).
 
     Example, inside a rank: ``check_meshes({"model": model_mesh, "trainer": trainer_mesh})``
     is empty when both meshes give every rank the same data rank and name no group twice.
     """
     from meshsim.model.expected import Expected
 
-    if isinstance(meshes, Expected):
-        same_groups = [*same_groups, *declared_same_groups(meshes.framework)]
-    rules = Rules.of(data_dims, same_groups, independent)
-    if isinstance(meshes, Expected):
-        views = expected_views(meshes)
+    reference = meshes if isinstance(meshes, Expected) else None
+    framework = framework or (reference.framework if reference is not None else None)
+    declared = declared_same_groups(framework) if framework else ()
+    rules = Rules.of(data_dims, [*same_groups, *declared], independent)
+    if reference is not None:
+        views = expected_views(reference)
         _known(views, rules)
         found: list[Disagreement] = []
-        for rank in range(meshes.world_size):
+        for rank in range(reference.world_size):
             found += compare(rank, [per_rank[rank] for per_rank in views.values()], rules)
         return found
+    assert not isinstance(meshes, Expected)
     if len(meshes) < 2:
         raise UsageError(f"check_meshes compares two meshes or more, got {list(meshes)}")
     import torch.distributed as dist
@@ -375,14 +384,19 @@ def assert_meshes_agree(
     data_dims: Mapping[str, Sequence[str] | str | None] | None = None,
     same_groups: Iterable[tuple[str, str]] = (),
     independent: bool = False,
+    framework: str | None = None,
 ) -> None:
     """:func:`check_meshes`, raising :class:`~meshsim.errors.MeshesDisagree` on any finding.
 
-    The message leads with the first disagreement (both meshes, the rank, what differs) and
-    counts the rest by aspect.
+    The message gives the first findings (both meshes, the ranks, what differs) and counts
+    the rest; ``disagreements`` holds them all.
     """
     found = check_meshes(
-        meshes, data_dims=data_dims, same_groups=same_groups, independent=independent
+        meshes,
+        data_dims=data_dims,
+        same_groups=same_groups,
+        independent=independent,
+        framework=framework,
     )
     if found:
         raise MeshesDisagree(summary(found), found)

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshsim.checks.agreement import Disagreement, check_meshes, declared_same_groups
+from meshsim.checks.agreement import Disagreement, check_meshes
 from meshsim.cli import config_flags as cf
 from meshsim.cli import render
 from meshsim.errors import UsageError
@@ -102,12 +102,9 @@ def _live(
             "compare the reference's"
         )
 
-    declared = declared_same_groups(framework)
-    same = [*rules["same_groups"], *declared]
-
     def body() -> list[Disagreement]:
         meshes = module.meshes(world_size, dict(config))
-        return check_meshes(meshes, **{**rules, "same_groups": same})
+        return check_meshes(meshes, framework=framework, **rules)
 
     per_rank = run_ranks(body, world_size, backend=backend)
     return [d for found in per_rank for d in found]

@@ -170,7 +170,7 @@ def _accelerate(world_size: int, config: Mapping[str, Any], real: bool) -> Train
     from meshsim.builders import accelerate as plain
     from meshsim.builders._common import mesh
 
-    version, kind, sizes, autotp = plain._settings(config)
+    version, kind, sizes, _ = plain._settings(config)
     if kind == "DEEPSPEED":
         raise UsageError("the accelerate data-flow recipe follows FSDP2 and DDP, not DeepSpeed")
     if config.get("dispatch_batches"):
@@ -187,7 +187,7 @@ def _accelerate(world_size: int, config: Mapping[str, Any], real: bool) -> Train
         data_rank = getattr(sampler, "process_index", 0)
         data_size = getattr(sampler, "num_processes", 1)
     else:
-        plain._check(world_size, version, kind, sizes, autotp)
+        plain._check(world_size, config)
         root = plain.build_device_mesh(version, sizes)
         data_rank, data_size = plain.loader_rank(world_size, kind, root)
     names = tuple(root.mesh_dim_names or ()) if root is not None else ()
