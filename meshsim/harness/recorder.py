@@ -353,6 +353,11 @@ class TrackingSink:
         """The call the last exception came out of, if it came out of one."""
         return _numbered(self.raised_in, self.count, world_size)
 
+    def snapshot(self, world_size: int | None = None) -> tuple[Call | None, str | None]:
+        """(the call in progress, ``where``) read once, so the two agree."""
+        call, count = self.current, self.count
+        return call, _numbered(call, count, world_size)
+
 
 def _numbered(call: Call | None, count: int, world_size: int | None) -> str | None:
     """``all_reduce on group (0,1) (call #3)``; ``None`` without a call."""

@@ -100,11 +100,13 @@ class _Rank:
                 value = job.fn(*job.args, **job.kwargs)
             self.report(RankOutcome(self.rank, value=value))
         except HarnessInterrupt:
-            self.report(RankOutcome(self.rank, status="timeout"))
+            where = self.sink.where(job.world_size)
+            self.report(RankOutcome(self.rank, status=run.stopping or "timeout", collective=where))
         except SystemExit as exc:
             if torch_private.threaded_world_aborted():  # aborted while we were in a collective
                 where = self.sink.raised_where(job.world_size)
-                self.report(RankOutcome(self.rank, status="aborted", collective=where))
+                status = run.stopping or "aborted"
+                self.report(RankOutcome(self.rank, status=status, collective=where))
             else:
                 self.report(RankOutcome(self.rank, status="error", **exception_fields(exc)))
                 plg.exception_handle(exc)
@@ -123,10 +125,23 @@ class _Rank:
                 run.cond.notify_all()
 
     def report(self, outcome: RankOutcome) -> None:
-        """Keep the first outcome: the harness may have decided this rank's fate already."""
+        """Keep the first outcome (the harness's ``stopped`` overrides it)."""
         with self.lock:
             if self.outcome is None:
                 self.outcome = outcome
+
+    def stopped(self, status: str, where: str | None, stack: str) -> None:
+        """The harness stopped this rank: the status and stack are the harness's.
+
+        Where the rank was is its own word when the abort woke it and it said (the call it
+        raised out of): a rank already waking when the harness looked is then reported the
+        same however the two interleaved. Otherwise it is the harness's snapshot.
+        """
+        with self.lock:
+            own = self.outcome
+            if own is not None and own.status in ("timeout", "aborted") and own.collective:
+                where = own.collective
+            self.outcome = RankOutcome(self.rank, status=status, collective=where, stack=stack)
 
 
 class _Run:
@@ -135,6 +150,8 @@ class _Run:
         self.plg = plg
         self.store = store
         self.abandoned = False
+        #: How the harness is ending the run ("timeout" / "aborted"), once it is.
+        self.stopping: str | None = None
         self.table = LiveTable(job.world_size)
         self.cond = threading.Condition()
         self.ranks = [_Rank(self, r) for r in range(job.world_size)]
@@ -183,24 +200,25 @@ class _Run:
         return calls, returned, blocked
 
     def stop(self, status: str) -> tuple[int, ...]:
-        """Stop every live rank; returns the ranks whose threads would not stop."""
+        """Stop every live rank; returns the ranks whose threads would not stop.
+
+        Every rank still running when the harness looks is reported as stopped with
+        ``status`` (``_Rank.stopped``), whatever it does in the grace that follows.
+        """
         live = self.alive()
         # What each rank did up to now is what is judged: aborting the world makes the ranks
         # raise, and what their handlers call then is the harness's doing, not the body's.
         self.table.closed = True
-        self.blocked = {r.rank: r.sink.current for r in live if r.outcome is None}
-        self.cut = {r.rank: len(r.sink.calls) for r in live if r.outcome is None}
+        seen: dict[int, tuple[str | None, str]] = {}
         for r in live:
-            r.report(
-                RankOutcome(
-                    r.rank,
-                    status=status,
-                    stack=thread_stack(r.thread.ident),
-                    collective=r.sink.where(self.job.world_size),
-                )
-            )
+            if r.outcome is None:
+                call, where = r.sink.snapshot(self.job.world_size)
+                self.blocked[r.rank] = call
+                self.cut[r.rank] = len(r.sink.calls)
+                seen[r.rank] = (where, thread_stack(r.thread.ident))
         if not live:
             return ()
+        self.stopping = status
         self.plg.exception_handle(TimeoutError("meshsim: run stopped"))
         deadline = time.monotonic() + JOIN_GRACE_S
         for r in live:
@@ -211,6 +229,9 @@ class _Run:
         deadline = time.monotonic() + JOIN_GRACE_S
         for r in live:
             r.thread.join(max(0.0, deadline - time.monotonic()))
+        for r in live:
+            if r.rank in seen:
+                r.stopped(status, *seen[r.rank])
         stuck = tuple(r.rank for r in live if r.thread.is_alive())
         if stuck:
             self.abandoned = True

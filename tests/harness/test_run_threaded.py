@@ -94,6 +94,51 @@ def test_a_failing_rank_aborts_ranks_waiting_for_it() -> None:
     assert statuses == {0: "aborted", 1: "error", 2: "aborted"}
 
 
+def test_a_rank_still_unwinding_when_the_harness_looks_says_where_it_was(monkeypatch) -> None:
+    """The schedule CI met once (torch 2.15, loaded machine), forced here.
+
+    Rank 1's failure woke ranks 0 and 2 out of their all_reduce, but they had not reported
+    when the harness stopped the run: its own look found them outside any call. The
+    report must be the usual one (``test_a_failing_rank_aborts_ranks_waiting_for_it``), not
+    "not in a collective". Two internals are patched to force the schedule: the aborted
+    ranks' reports wait until the harness has taken its snapshot (the stacks).
+    """
+    from meshsim.harness import threaded
+
+    looked = threading.Event()
+    real_stack, real_report = threaded.thread_stack, threaded._Rank.report
+
+    def stack_then_release(ident: int | None) -> str:
+        text = real_stack(ident)
+        looked.set()
+        return text
+
+    def report_after_the_look(self, outcome) -> None:  # type: ignore[no-untyped-def]
+        if outcome.status == "aborted" and threading.current_thread() is self.thread:
+            assert looked.wait(120), "the harness never looked"
+        real_report(self, outcome)
+
+    monkeypatch.setattr(threaded, "thread_stack", stack_then_release)
+    monkeypatch.setattr(threaded._Rank, "report", report_after_the_look)
+
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise KeyError("boom")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankFailure) as info:
+        run(body, 3, "threaded", timeout=60)
+    assert looked.is_set()
+    text = str(info.value)
+    assert "rank 1: KeyError: 'boom'" in text
+    assert "ranks 0, 2: aborted after another rank failed (in all_reduce on the world" in text
+    statuses = {o.rank: o.status for o in info.value.outcomes}
+    assert statuses == {0: "aborted", 1: "error", 2: "aborted"}
+
+
 def test_hang_in_a_collective_times_out_with_stacks_and_collectives() -> None:
     def body() -> None:
         import torch
