@@ -26,21 +26,8 @@ from meshsim.errors import LayoutError
 
 
 def _refusals(framework: str, world: int) -> list[dict[str, Any]]:
-    """The convention's own ``refused_configs(N)`` where it has one; OLMo-core's test list."""
-    from meshsim.model.conventions import convention
-
-    listed = getattr(convention(framework), "refused_configs", None)
-    if listed is not None:
-        return list(listed(world))
-    from tests.real.test_olmo_core import REFUSED_4
-
-    keep = []
-    for config in REFUSED_4:
-        try:
-            meshsim.expect(framework, world, **config)
-        except LayoutError:
-            keep.append(config)
-    return keep
+    """The convention's own refusals (``meshsim.refused_configs``)."""
+    return [case.config for case in meshsim.refused_configs(world, framework)]
 
 
 def main(

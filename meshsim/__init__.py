@@ -41,8 +41,10 @@ from meshsim.model import (
     Kind,
     Layout,
     LayoutCase,
+    RefusedCase,
     expect,
     layouts,
+    refused_configs,
 )
 
 __version__ = "0.1.0"
@@ -71,6 +73,7 @@ __all__ = [
     "RankFailure",
     "RankOutcome",
     "RankTimeout",
+    "RefusedCase",
     "RunResult",
     "TeardownWarning",
     "UsageError",
@@ -87,6 +90,7 @@ __all__ = [
     "observe",
     "observe_groups",
     "record_batches",
+    "refused_configs",
     "run",
     "shutdown",
 ]

@@ -5,6 +5,7 @@
 * ``meshsim_expected``: the :class:`meshsim.Expected` of the layout a test is parametrized
   with (a :class:`meshsim.LayoutCase` parameter named ``layout_case``, see
   :func:`parametrize_layouts`) or marked with ``@pytest.mark.meshsim_layout(framework, **config)``.
+* :func:`parametrize_refusals`: one item per config a framework rejects, with its type.
 * :func:`distributed_fixture`: state built once on N ranks (a checkpoint written by 8 ranks, a
   sharded dataset) and shared by several tests, as DeepSpeed's ``DistributedFixture``.
 """
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from meshsim.model.expected import Expected
-from meshsim.model.sweep import LayoutCase, layouts
+from meshsim.model.sweep import LayoutCase, layouts, refused_configs
 
 #: What the ``rank`` fixture holds in the parent process, before a rank substitutes itself.
 RANK_PLACEHOLDER = -1
@@ -99,6 +100,17 @@ def parametrize_layouts(
     """
     cases = layouts(world_size, framework, **options)
     return pytest.mark.parametrize("layout_case", cases, ids=[c.id for c in cases])
+
+
+def parametrize_refusals(world_size: int, framework: str | list[str] | None = None) -> Any:
+    """``@parametrize_refusals(8, "olmo-core")``: one test item per config the framework rejects.
+
+    The test takes a ``refused_case`` argument (a :class:`meshsim.RefusedCase`): its
+    ``config``, and ``error().upstream``, the exception type the framework raises. The other
+    half of :func:`parametrize_layouts`: a builder should refuse these the framework's way.
+    """
+    cases = refused_configs(world_size, framework)
+    return pytest.mark.parametrize("refused_case", cases, ids=[c.id for c in cases])
 
 
 @pytest.fixture

@@ -195,6 +195,37 @@ def test_downstream_layout_fixtures_and_live_check(pytester: pytest.Pytester) ->
     )
 
 
+def test_downstream_refusal_items_carry_the_frameworks_type(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        from meshsim.fixtures import parametrize_refusals
+        from torch.distributed.device_mesh import init_device_mesh
+
+        @parametrize_refusals(4, "torch")
+        def test_torch_refuses(refused_case):
+            upstream = refused_case.error().upstream
+            assert upstream in ("RuntimeError", "KeyError", "ValueError")
+            config = refused_case.config
+            if list(config) == ["mesh_shape"]:  # the one init_device_mesh alone can show
+                import torch.distributed as dist
+                from torch.testing._internal.distributed.fake_pg import FakeStore
+
+                dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+                try:
+                    with pytest.raises(RuntimeError, match="bigger than default world size"):
+                        init_device_mesh("cpu", config["mesh_shape"])
+                finally:
+                    dist.destroy_process_group()
+        """
+    )
+    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider")
+    from meshsim import refused_configs
+
+    result.assert_outcomes(passed=len(refused_configs(4, "torch")))
+    result.stdout.fnmatch_lines(["*test_torch_refuses?torch-4-shape=2,4? PASSED*"])
+
+
 def test_assertrepr_explains_layout_diff(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """

@@ -31,8 +31,6 @@ REPRESENTATIVE: dict[str, dict[str, Any]] = {
 WORLD = 8
 #: Refused configs shown per page; the rest are counted.
 MAX_REFUSALS = 12
-#: Conventions whose ``refused_configs`` lives beside the convention module, not on it.
-_REFUSALS_IN: dict[str, str] = {"torchtitan": "meshsim.model.conventions._torchtitan_api"}
 _MARKER = re.compile(r"<!--\s*generated:\s*convention\s+(\S+)\s*-->")
 
 
@@ -110,18 +108,13 @@ def kinds_table(framework: str) -> str:
 
 
 def refusals_table(framework: str) -> str:
-    import importlib
-
     import meshsim
-    from meshsim.model.conventions import CONVENTIONS
 
-    module = importlib.import_module(_REFUSALS_IN.get(framework, CONVENTIONS[framework]))
-    refused = getattr(module, "refused_configs", None)
-    if refused is None:
-        return f"`{framework}` lists no refused configs of its own (`refused_configs`)."
-    configs = list(refused(WORLD))
+    cases = meshsim.refused_configs(WORLD, framework)
+    configs = [case.config for case in cases]
     lines = [
-        f"`refused_configs({WORLD})`: {len(configs)} configs the framework itself rejects; "
+        f"`meshsim.refused_configs({WORLD}, {framework!r})`: {len(configs)} configs the "
+        "framework itself rejects; "
         "the reference raises `meshsim.LayoutError` naming upstream's exception.",
         "",
         "| config | refusal |",

@@ -5,7 +5,7 @@ from meshsim.model.expected import ROLES, Expected, Kind
 from meshsim.model.groups import Group, Groups, RankGroup
 from meshsim.model.layout import Layout
 from meshsim.model.mesh_layout import FlatLayout, MeshLayout
-from meshsim.model.sweep import LayoutCase, layouts
+from meshsim.model.sweep import LayoutCase, RefusedCase, layouts, refused_configs
 
 __all__ = [
     "CONVENTIONS",
@@ -19,6 +19,8 @@ __all__ = [
     "LayoutCase",
     "MeshLayout",
     "RankGroup",
+    "RefusedCase",
     "expect",
     "layouts",
+    "refused_configs",
 ]

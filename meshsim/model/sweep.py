@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshsim.model.expected import Expected
+
+if TYPE_CHECKING:
+    from meshsim.errors import LayoutError
 
 
 @lru_cache(maxsize=256)
@@ -65,6 +68,21 @@ class LayoutCase:
         return self.id
 
 
+@dataclass(frozen=True)
+class RefusedCase(LayoutCase):
+    """A config the framework itself rejects: ``error()`` is meshsim's ``LayoutError`` for it,
+    whose ``upstream`` names the exception type the framework raises."""
+
+    def error(self) -> LayoutError:
+        from meshsim.errors import LayoutError
+
+        try:
+            self.expect()
+        except LayoutError as exc:
+            return exc
+        raise AssertionError(f"{self.id}: listed as refused, but the reference builds it")
+
+
 _SHORT = {
     "tensor_model_parallel_size": "tp",
     "pipeline_model_parallel_size": "pp",
@@ -100,19 +118,39 @@ def layouts(
     Options are passed to each convention's ``configs`` (e.g. ``orders=[...]`` for Megatron).
     Each case is checked by building its :class:`Expected`, so invalid configs never appear.
     """
-    from meshsim.model.conventions import CONVENTIONS, convention, validate_world_size
+    from meshsim.model.conventions import convention, validate_world_size
 
     validate_world_size(world_size)
-    names: Iterable[str]
-    if framework is None:
-        names = CONVENTIONS
-    elif isinstance(framework, str):
-        names = (framework,)
-    else:
-        names = framework
     cases: list[LayoutCase] = []
-    for name in names:
+    for name in _names(framework):
         module = convention(name)
         for config in module.configs(world_size, **options):
             cases.append(LayoutCase(name, world_size, config))
     return cases
+
+
+def refused_configs(
+    world_size: int, framework: str | Sequence[str] | None = None
+) -> list[RefusedCase]:
+    """Configs each convention's framework rejects at ``world_size``, one per way to fail.
+
+    The other half of :func:`layouts`: a downstream suite parametrizes over both to check that
+    its framework builds what meshsim expects *and* refuses what meshsim refuses, with the same
+    exception type (``case.error().upstream``).
+    """
+    from meshsim.model.conventions import convention, validate_world_size
+
+    validate_world_size(world_size)
+    cases: list[RefusedCase] = []
+    for name in _names(framework):
+        for config in convention(name).refused_configs(world_size):
+            cases.append(RefusedCase(name, world_size, config))
+    return cases
+
+
+def _names(framework: str | Sequence[str] | None) -> Sequence[str]:
+    from meshsim.model.conventions import CONVENTIONS
+
+    if framework is None:
+        return CONVENTIONS
+    return (framework,) if isinstance(framework, str) else framework

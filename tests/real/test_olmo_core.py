@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from meshsim import expect, layouts
+from meshsim import expect, layouts, refused_configs
 from meshsim.errors import LayoutError
 from meshsim.harness import run
 from tests.real._helpers import (
@@ -74,6 +74,11 @@ def test_world_8_matches_reference(config: dict[str, Any]) -> None:
 @pytest.mark.parametrize("config", REFUSED_4, ids=case_id)
 def test_refusals_match_reference(config: dict[str, Any]) -> None:
     assert_refused_alike("olmo-core", 4, config)
+
+
+@pytest.mark.parametrize("case", refused_configs(8, "olmo-core"), ids=str)
+def test_the_conventions_refusals_are_olmo_cores(case: Any) -> None:
+    assert_refused_alike("olmo-core", 8, case.config)
 
 
 @pytest.mark.parametrize(

@@ -320,6 +320,7 @@ def refused_configs(world_size: int) -> list[dict[str, object]]:
     """
     from meshsim.model.sweep import divisors, ordered_factorizations
 
+    stray = next(d for d in range(2, world_size + 2) if world_size % d)
     out: list[dict[str, object]] = []
     for pp, dpr, dps, cp, tp in ordered_factorizations(world_size, 5):
         for ep in divisors(world_size):
@@ -331,8 +332,9 @@ def refused_configs(world_size: int) -> list[dict[str, object]]:
         {"dp_shard": -2},
         {"dp_shard": 0},
         {"tp": 2 * world_size},  # dp_shard=-1 resolves to 0
-        {"tp": 3},  # dp_shard=-1 resolves to world // 3; the product is not the world
+        {"tp": stray},  # dp_shard=-1 resolves to world // stray; the product is not the world
         {"dp_shard": world_size, "tp": 2},
         {"dp_shard": 2, "spmd_backend": "dtensor"},
     ]
-    return out
+    unique = {repr(config): config for config in out}  # world 1: tp=2*world is the stray tp
+    return list(unique.values())

@@ -24,6 +24,7 @@ from meshsim.errors import LayoutError
 from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.conventions._olmo_core_configs import DP_TYPES as _DP_TYPES
 from meshsim.model.conventions._olmo_core_configs import configs as configs
+from meshsim.model.conventions._olmo_core_configs import refused_configs as refused_configs
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.layout import Layout
 

@@ -21,7 +21,7 @@ from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import _torch_backend, reject_unknown
 from meshsim.model.expected import ROLES, Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import ordered_factorizations
+from meshsim.model.sweep import divisors, ordered_factorizations
 
 PARAMETERS: Final[Mapping[str, str]] = {
     "mesh_shape": "sizes of the mesh dims, outermost first (default: (world_size,))",
@@ -219,3 +219,24 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
         assert math.prod(shape) == world_size
         ops = ["flatten dp,cp -> dp_cp"] if {"dp", "cp"} <= set(names) else []
         yield {"mesh_shape": shape, "mesh_dim_names": names, "ops": ops}
+
+
+def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
+    """Configs torch's ``init_device_mesh`` / ``_flatten`` / ``_unflatten`` reject, one per way.
+
+    A mesh bigger than the world, an unknown ``backend_override`` dim, names and shape of
+    different lengths and a repeated name (RuntimeError); a flatten out of dim order, both dims
+    bigger than 1 (KeyError); a flatten named like a root dim and an unflatten whose sizes do
+    not multiply to the dim's (ValueError).
+    """
+    two_d = {"mesh_shape": (1, world_size), "mesh_dim_names": ("dp", "tp")}
+    yield {"mesh_shape": (2, world_size)}
+    yield {"mesh_shape": (1, world_size), "mesh_dim_names": ("dp",)}
+    yield {"mesh_shape": (1, world_size), "mesh_dim_names": ("dp", "dp")}
+    yield {**two_d, "backend_override": {"pp": "gloo"}}
+    yield {**two_d, "ops": ["flatten dp,tp -> dp"]}
+    outer = divisors(world_size)[1] if world_size > 1 else 1
+    if outer < world_size:  # torch lets a size-1 dim stand anywhere in a flatten
+        shape = (outer, world_size // outer)
+        yield {"mesh_shape": shape, "mesh_dim_names": ("dp", "tp"), "ops": ["flatten tp,dp"]}
+    yield {"mesh_shape": (world_size,), "ops": [f"unflatten world 2,{world_size} -> a,b"]}

@@ -392,6 +392,12 @@ def get_all_one_dimensional_meshes(world_size: int, **config: Any) -> dict[str, 
     }
 
 
+def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
+    """What torchtitan 0.3.0 (the ``current`` version) refuses at ``world_size``, one config
+    per way to fail (``_torchtitan_api.refused_configs`` says which)."""
+    return iter(api.refused_configs(world_size))
+
+
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     """Every valid config of each version: all factorizations of the world into
     (pp, dp_replicate, dp_shard, cp, tp), each with every valid (ep, etp).
