@@ -2,8 +2,7 @@
 with the real framework on gloo, diff every kind, and reproduce the listed rejections.
 
 Run: ``python benchmarks/live_counts.py deepspeed 8`` (on demand; minutes per framework; any
-framework with a real adapter; refusals are the convention's ``refused_configs(N)``, OLMo-core's
-the adapter test's list). A fourth
+framework with a real adapter; refusals are ``meshsim.refused_configs(N, framework)``). A fourth
 argument keeps only the layouts whose id contains it: ``megatron 16 gloo hyper_comm_grid``.
 ``--shard I/N`` runs every N-th layout and refusal from the I-th, to spread a run over cores.
 Prints one JSON line: layouts, kinds compared, kinds equal, rejections tried / reproduced, time.
