@@ -2,7 +2,8 @@
 
 OLMo-core: ``build_world_mesh`` then ``get_dp_process_group`` for the loader and
 ``get_dp_model_mesh`` for FSDP/DDP; torchtitan: ``ParallelDims.build_mesh`` then the ``batch``
-mesh for the loader and ``["dp_replicate", "fsdp"]`` for FSDP. Without ``real`` the plain-torch
+mesh for the loader and ``["dp_replicate", "fsdp"]`` for FSDP; accelerate and Lightning: see
+their functions. Without ``real`` the plain-torch
 replays in :mod:`meshsim.builders` build them; with ``real`` the installed framework does. The
 reference is never read here: the recipe must stand on the framework's own wiring.
 """
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshsim import torch_private
 from meshsim.errors import UsageError
 
-FRAMEWORKS = ("olmo-core", "torchtitan", "accelerate")
+FRAMEWORKS = ("olmo-core", "torchtitan", "accelerate", "lightning")
 
 
 @dataclass
@@ -49,6 +50,8 @@ def build(framework: str, world_size: int, config: Mapping[str, Any], real: bool
         return _torchtitan(world_size, config, real)
     if framework == "accelerate":
         return _accelerate(world_size, config, real)
+    if framework == "lightning":
+        return _lightning(world_size, config, real)
     raise UsageError(f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}")
 
 
@@ -202,3 +205,28 @@ def _accelerate(world_size: int, config: Mapping[str, Any], real: bool) -> Train
         data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"),
         root["tp"] if "tp" in names else None, cp_rank, cp_size, 0, ddp=kind == "MULTI_GPU",
     )  # fmt: skip
+
+
+# -- Lightning ------------------------------------------------------------------------------------
+def _lightning(world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
+    """``ModelParallelStrategy``'s wiring: the sampler takes ``distributed_sampler_kwargs`` (the
+    ``data_parallel`` dim); ``configure_model`` shards over ``device_mesh["data_parallel"]`` and
+    ``device_mesh["tensor_parallel"]``, as Lightning's own examples do (the user writes it)."""
+    from meshsim.builders._common import mesh
+
+    if real:
+        from meshsim.builders.real import lightning as adapter
+
+        strategy = adapter.set_up("pytorch", world_size, config)
+        root = strategy.device_mesh
+        kwargs = strategy.distributed_sampler_kwargs
+        data_rank, data_size = kwargs["rank"], kwargs["num_replicas"]
+    else:
+        from meshsim.builders import lightning as plain
+
+        root = mesh(plain.sizes(world_size, config), ("data_parallel", "tensor_parallel"))
+        data_rank, data_size = _local(root["data_parallel"])
+    data, tp = root["data_parallel"], root["tensor_parallel"]
+    return TrainerMeshes(
+        data_rank, data_size, data, data, data, tp if tp.size() > 1 else None, 0, 1, 0, ddp=False
+    )
