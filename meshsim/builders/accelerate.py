@@ -39,8 +39,8 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     Example (world 8): ``{"tp_size": 2, "dp_shard_size": 4}`` builds a (dp_shard, tp) = (4, 2)
     mesh; ``tp`` is ``(0, 1)`` on rank 0 and the loader's replica group ``(0, 2, 4, 6)``.
     """
-    version, kind, sizes, autotp = _settings(config)
-    _check(world_size, config)
+    version, kind, sizes, autotp = settings(config)
+    check_world(world_size, config)
     root = build_device_mesh(version, sizes)
     entries: dict[str, Entry] = {}
     for name in (*ORDER, *(n for n, _ in FLATTENS)):
@@ -62,22 +62,22 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
 
 def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
     """The ParallelismConfig mesh (none when accelerate builds none)."""
-    version, _, sizes, _ = _settings(config)
-    _check(world_size, config)
+    version, _, sizes, _ = settings(config)
+    check_world(world_size, config)
     root = build_device_mesh(version, sizes)
     return {} if root is None else {"main": root}
 
 
-def _settings(config: Mapping[str, Any]) -> tuple[str, str, dict[str, int], int]:
+def settings(config: Mapping[str, Any]) -> tuple[str, str, dict[str, int], int]:
     """Version, distributed type, sizes by dim and AutoTP size, as the convention reads them;
-    the checks against the world are :func:`_check`'s."""
+    the checks against the world are :func:`check_world`'s."""
     with reference_rules():
         cfg = accelerate.normalize(config)
     sizes = {key[: -len("_size")]: cfg[key] for key in SIZE_KEYS}
     return cfg["version"], cfg["distributed_type"], sizes, cfg["autotp_size"] or 0
 
 
-def _check(world_size: int, config: Mapping[str, Any]) -> None:
+def check_world(world_size: int, config: Mapping[str, Any]) -> None:
     """``__post_init__``, ``AcceleratorState``'s CP check, ``init_device_mesh``'s size check,
     ``_validate_accelerator`` and the AutoTP mesh's size check, in accelerate's order: the
     convention's statement of them."""

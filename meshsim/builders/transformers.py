@@ -58,16 +58,23 @@ def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
         return {}
     dense, expert = initialize_distributed_mesh(world_size, pp, dp_replicate, fsdp, tp, ep)
     built = {"main": dense, "expert": expert}
-    if tp > 1:
-        from meshsim.builders import accelerate
-
-        try:
-            trainer = accelerate.meshes(world_size, _trainer_config(tp, dp_replicate * fsdp))
-        except FrameworkRejection:
-            trainer = {}
-        if "main" in trainer:
-            built["trainer"] = trainer["main"]
+    trainer = trainer_mesh(world_size, tp, dp_replicate * fsdp)
+    if trainer is not None:
+        built["trainer"] = trainer
     return built
+
+
+def trainer_mesh(world_size: int, tp: int, dp_size: int) -> DeviceMesh | None:
+    """The mesh of the Trainer's ``ParallelismConfig(tp_size=tp, dp_shard_size=dp_size)``: none
+    for a model without TP (the Trainer builds no config) or where accelerate refuses it."""
+    if tp == 1:
+        return None
+    from meshsim.builders import accelerate
+
+    try:
+        return accelerate.meshes(world_size, _trainer_config(tp, dp_size)).get("main")
+    except FrameworkRejection:
+        return None
 
 
 def distributed_config(world_size: int, config: Mapping[str, Any]) -> tuple[int, ...]:

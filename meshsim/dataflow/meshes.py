@@ -2,10 +2,11 @@
 
 OLMo-core: ``build_world_mesh`` then ``get_dp_process_group`` for the loader and
 ``get_dp_model_mesh`` for FSDP/DDP; torchtitan: ``ParallelDims.build_mesh`` then the ``batch``
-mesh for the loader and ``["dp_replicate", "fsdp"]`` for FSDP; accelerate and Lightning: see
-their functions. Without ``real`` the plain-torch
-replays in :mod:`meshsim.builders` build them; with ``real`` the installed framework does. The
-reference is never read here: the recipe must stand on the framework's own wiring.
+mesh for the loader and ``["dp_replicate", "fsdp"]`` for FSDP; accelerate, Lightning and
+transformers (two meshes: the model's and its Trainer's): see their functions. Without ``real``
+the plain-torch replays in :mod:`meshsim.builders` build them; with ``real`` the installed
+framework does. The reference is never read here: the recipe must stand on the framework's own
+wiring.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshsim import torch_private
 from meshsim.errors import UsageError
 
-FRAMEWORKS = ("olmo-core", "torchtitan", "accelerate", "lightning")
+FRAMEWORKS = ("olmo-core", "torchtitan", "accelerate", "lightning", "transformers")
 
 
 @dataclass
@@ -52,6 +53,8 @@ def build(framework: str, world_size: int, config: Mapping[str, Any], real: bool
         return _accelerate(world_size, config, real)
     if framework == "lightning":
         return _lightning(world_size, config, real)
+    if framework == "transformers":
+        return _transformers(world_size, config, real)
     raise UsageError(f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}")
 
 
@@ -173,7 +176,7 @@ def _accelerate(world_size: int, config: Mapping[str, Any], real: bool) -> Train
     from meshsim.builders import accelerate as plain
     from meshsim.builders._common import mesh
 
-    version, kind, sizes, _ = plain._settings(config)
+    version, kind, sizes, _ = plain.settings(config)
     if kind == "DEEPSPEED":
         raise UsageError("the accelerate data-flow recipe follows FSDP2 and DDP, not DeepSpeed")
     if config.get("dispatch_batches"):
@@ -190,7 +193,7 @@ def _accelerate(world_size: int, config: Mapping[str, Any], real: bool) -> Train
         data_rank = getattr(sampler, "process_index", 0)
         data_size = getattr(sampler, "num_processes", 1)
     else:
-        plain._check(world_size, config)
+        plain.check_world(world_size, config)
         root = plain.build_device_mesh(version, sizes)
         data_rank, data_size = plain.loader_rank(world_size, kind, root)
     names = tuple(root.mesh_dim_names or ()) if root is not None else ()
@@ -230,3 +233,51 @@ def _lightning(world_size: int, config: Mapping[str, Any], real: bool) -> Traine
     return TrainerMeshes(
         data_rank, data_size, data, data, data, tp if tp.size() > 1 else None, 0, 1, 0, ddp=False
     )
+
+
+# -- transformers ---------------------------------------------------------------------------------
+def _transformers(world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
+    """Two meshes, one job: the model is sharded on transformers' own mesh (FSDP2 over
+    ``get_mesh(("dp_replicate", "fsdp"))``, or ``"fsdp"`` without replicas; TP over ``"tp"``),
+    while the Trainer's loader splits batches as accelerate does over the mesh of the
+    ``ParallelismConfig(tp_size, dp_shard_size)`` it builds for a TP model (none otherwise:
+    every rank a replica)."""
+    if real:
+        from meshsim.builders.real import transformers as adapter
+
+        pp, grad, tp, trainer = adapter.training_meshes(config)
+    else:
+        pp, grad, tp, trainer = _transformers_plain(world_size, config)
+    if pp > 1 or (grad is None and tp is None):  # recipes.unsupported says why
+        raise UsageError(f"no transformers data-flow recipe for {dict(config)}")
+    if trainer is None:
+        data_rank, data_size, data = dist.get_rank(), world_size, None
+    elif real:
+        from meshsim.builders.real import accelerate as adapter
+
+        with adapter.loader_state(world_size, "MULTI_GPU"):
+            sampler = adapter.prepare_loader(world_size, trainer).batch_sampler
+        data_rank = getattr(sampler, "process_index", 0)
+        data_size = getattr(sampler, "num_processes", 1)
+    else:
+        from meshsim.builders import accelerate
+
+        data_rank, data_size = accelerate.loader_rank(world_size, "MULTI_GPU", trainer)
+    if trainer is not None:  # the Trainer's data-parallel dim, when accelerate kept one
+        data = trainer["dp_shard"] if "dp_shard" in (trainer.mesh_dim_names or ()) else None
+    return TrainerMeshes(
+        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"), tp, 0, 1, 0, ddp=False
+    )
+
+
+def _transformers_plain(world_size: int, config: Mapping[str, Any]) -> tuple[int, Any, Any, Any]:
+    """(pp size, FSDP2's mesh, the TP mesh, the Trainer's mesh), by the plain-torch builder."""
+    from meshsim.builders import transformers as plain
+
+    pp, dp_replicate, fsdp, tp, ep = plain.distributed_config(world_size, config)
+    if (pp, dp_replicate, fsdp, tp) == (1, 1, 1, 1):
+        return 1, None, None, None  # no mesh, no wrapper
+    dense, _ = plain.initialize_distributed_mesh(world_size, pp, dp_replicate, fsdp, tp, ep)
+    grad = dense[("dp_replicate", "fsdp") if dp_replicate > 1 else ("fsdp",)]
+    trainer = plain.trainer_mesh(world_size, tp, dp_replicate * fsdp)
+    return pp, grad, dense["tp"] if tp > 1 else None, trainer

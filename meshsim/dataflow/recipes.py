@@ -104,7 +104,7 @@ def check_dataflow(
         if reason is not None:
             raise UsageError(reason)
     expected = expect(framework, world_size, **config)
-    reason = unsupported(framework, config, backend)
+    reason = unsupported(framework, config, backend, world_size=world_size)
     if reason is not None:
         raise UsageError(reason)
     start = time.perf_counter()
@@ -138,8 +138,13 @@ def check_dataflow(
     return result(data_error=data_error, gradient_error=gradient_error)
 
 
-def unsupported(framework: str, config: Mapping[str, Any], backend: str) -> str | None:
-    """Why torch 2.13 on CPU cannot run this layout's recipe on ``backend`` (None: it can)."""
+def unsupported(
+    framework: str, config: Mapping[str, Any], backend: str, *, world_size: int | None = None
+) -> str | None:
+    """Why the recipe cannot run this layout on ``backend`` (None: it can): what torch 2.13 on
+    CPU cannot do, and layouts a recipe does not train (transformers' need ``world_size``)."""
+    if framework == "transformers" and world_size is not None:
+        return _transformers_unsupported(world_size, config)
     if _ddp(framework, config) and (config.get("tp") or 1) > 1:
         name = "OLMo-core" if framework == "olmo-core" else "torchtitan"
         return (
@@ -153,6 +158,23 @@ def unsupported(framework: str, config: Mapping[str, Any], backend: str) -> str 
             f"OLMo-core's HSDP gradient group is a _flatten of (dp_replicate, dp_shard_cp), "
             f"whose dp_shard_cp is already flattened: torch {release[0]}.{release[1]} refuses "
             "that (ValueError; torch >= 2.10 accepts it)"
+        )
+    return None
+
+
+def _transformers_unsupported(world_size: int, config: Mapping[str, Any]) -> str | None:
+    from meshsim.model.conventions import transformers
+
+    sizes = transformers.resolve(world_size, config)
+    if sizes["pp_size"] > 1:
+        return (
+            "the transformers data-flow recipe trains the dense model without pipeline "
+            "stages; pp_size > 1 is modelled by the reference and adapters only"
+        )
+    if all(sizes[key] == 1 for key in ("dp_replicate_size", "fsdp_size", "tp_size")):
+        return (
+            "every transformers size is 1: no DistributedConfig mesh, so the Trainer's plain "
+            "DDP through accelerate is what trains (meshsim verify accelerate --dataflow)"
         )
     return None
 

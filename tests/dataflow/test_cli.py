@@ -25,6 +25,10 @@ def test_dataflow_flag_runs_the_recipe_after_the_group_check() -> None:
     [
         (("olmo-core", "--backend", "fake", "--set", "dp=fsdp"), "fake backend moves no data"),
         (("megatron", "--backend", "threaded"), "recipe for olmo-core, torchtitan"),
+        (
+            ("transformers", "--backend", "threaded", "--pp-size", "2", "--tp-size", "4"),
+            "without pipeline stages",
+        ),
     ],
 )
 def test_dataflow_refusals_are_bad_input(args: tuple[str, ...], needle: str) -> None:

@@ -90,9 +90,53 @@ def _mesh_entries(manager: Any, config: Any) -> dict[str, Entry]:
     return entries
 
 
+def training_meshes(config: Mapping[str, Any]) -> tuple[int, Any, Any, Any]:
+    """What a Trainer run of ``config`` holds, from transformers' own code: (pp size, FSDP2's
+    mesh as ``apply_fully_sharded_data_parallelism`` slices it, the TP mesh, the Trainer's
+    accelerate mesh); a mesh is None where none is built (the Trainer's: no TP, or refused)."""
+    check_keys("transformers", config)
+    distributed, mixin, trainer = _shims.load(
+        "transformers.distributed", "transformers.distributed.mixin", "transformers.trainer"
+    )
+    with _shims.unchanged_environ(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+        with framework_refusals():
+            distributed_config = distributed.DistributedConfig(**config)
+            _, _, manager = mixin.DistributedMixin.prepare_distribute_model(distributed_config)
+        if manager is None:
+            return 1, None, None, None
+        hsdp = distributed_config.dp_replicate_size > 1
+        grad = manager.get_mesh(("dp_replicate", "fsdp") if hsdp else "fsdp")
+        tp = manager.get_mesh("tp") if distributed_config.tp_size > 1 else None
+        mesh = _trainer_mesh(trainer.Trainer, distributed_config)
+        return distributed_config.pp_size, grad, tp, None if isinstance(mesh, Exception) else mesh
+
+
 def _trainer_entries(trainer_class: Any, config: Any) -> dict[str, Entry]:
     """The mesh ``Trainer._build_accelerator_args``' ParallelismConfig makes, as ``trainer:*``;
     empty when the Trainer builds none (the model is not tensor parallel)."""
+    mesh = _trainer_mesh(trainer_class, config)
+    if mesh is None:
+        return {}
+    if isinstance(mesh, Exception):
+        return {"trainer:tp": mesh}
+    entries: dict[str, Entry] = {}
+    for name in _ACCELERATE_NAMES:  # a name accelerate never created: torch's KeyError, absent
+        try:
+            entries["trainer:" + name] = mesh[name]
+        except KeyError as missing:
+            entries["trainer:" + name] = missing
+    for alias, flat in torch_private.flatten_mapping(mesh).items():
+        entries.setdefault("trainer:" + alias, flat)
+    entries.update(_loader_groups(mesh))
+    return entries
+
+
+def _trainer_mesh(trainer_class: Any, config: Any) -> Any:
+    """The device mesh of the ``ParallelismConfig`` ``Trainer._build_accelerator_args`` makes,
+    as ``Accelerator.__init__`` builds and validates it: None when the Trainer makes no config,
+    accelerate's exception where it refuses one."""
     stand_in = SimpleNamespace(
         args=SimpleNamespace(
             mixed_precision="no",
@@ -111,7 +155,7 @@ def _trainer_entries(trainer_class: Any, config: Any) -> dict[str, Entry]:
     )
     parallelism = trainer_class._build_accelerator_args(stand_in).get("parallelism_config")
     if parallelism is None:
-        return {}
+        return None
     from accelerate.utils import DistributedType
 
     accelerator = SimpleNamespace(
@@ -126,17 +170,8 @@ def _trainer_entries(trainer_class: Any, config: Any) -> dict[str, Entry]:
         mesh = parallelism.get_device_mesh(_shims.device_type())
         parallelism._validate_accelerator(accelerator)
     except (ValueError, RuntimeError) as refusal:
-        return {"trainer:tp": refusal}
-    entries: dict[str, Entry] = {}
-    for name in _ACCELERATE_NAMES:  # a name accelerate never created: torch's KeyError, absent
-        try:
-            entries["trainer:" + name] = mesh[name]
-        except KeyError as missing:
-            entries["trainer:" + name] = missing
-    for alias, flat in torch_private.flatten_mapping(mesh).items():
-        entries.setdefault("trainer:" + alias, flat)
-    entries.update(_loader_groups(mesh))
-    return entries
+        return refusal
+    return mesh
 
 
 def _loader_groups(mesh: Any) -> dict[str, Entry]:
