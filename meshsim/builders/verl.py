@@ -34,7 +34,10 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     return collect(_fsdp(world_size, strategy, config))
 
 
-def _fsdp(world_size: int, strategy: str, config: Mapping[str, Any]) -> dict[str, Entry]:
+def fsdp_engine_meshes(
+    world_size: int, config: Mapping[str, Any]
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """``FSDPEngine._init_device_mesh``: the device mesh and the Ulysses mesh (None: sp 1)."""
     fsdp_size = config.get("fsdp_size", -1)
     sp = config.get("ulysses_sequence_parallel_size", 1)
     if fsdp_size < 0 or fsdp_size >= world_size:
@@ -45,7 +48,18 @@ def _fsdp(world_size: int, strategy: str, config: Mapping[str, Any]) -> dict[str
         root = mesh((world_size // fsdp_size, fsdp_size), ("ddp", "fsdp"))
     if sp == 0:
         raise FrameworkRejection("integer division by zero", upstream="ZeroDivisionError")
-    ulysses = mesh((world_size // sp, sp), ("dp", "sp")) if sp > 1 else None
+    return root, mesh((world_size // sp, sp), ("dp", "sp")) if sp > 1 else None
+
+
+def no_shard_clamp(root: DeviceMesh, strategy: str) -> bool:
+    """FSDP1 over verl's (ddp, fsdp) mesh with fsdp 1: NO_SHARD in a one-rank group, so no
+    gradient is averaged with any other rank's (verl#7493)."""
+    return strategy == "fsdp" and root.ndim == 2 and root.size(1) == 1
+
+
+def _fsdp(world_size: int, strategy: str, config: Mapping[str, Any]) -> dict[str, Entry]:
+    sp = config.get("ulysses_sequence_parallel_size", 1)
+    root, ulysses = fsdp_engine_meshes(world_size, config)
     entries: dict[str, Entry] = {
         "device_mesh": root,
         "fsdp": root["fsdp"],
@@ -70,7 +84,7 @@ def _fsdp(world_size: int, strategy: str, config: Mapping[str, Any]) -> dict[str
 
 def _fsdp_reduce(root: DeviceMesh, strategy: str) -> Entry:
     """What FSDP averages gradients over: FSDP1's NO_SHARD clamp keeps a 1-rank shard group."""
-    if strategy == "fsdp" and root.ndim == 2 and root.size(1) == 1:
+    if no_shard_clamp(root, strategy):
         return root.get_group(1)  # HYBRID_SHARD's process_group, clamped to NO_SHARD
     return root
 

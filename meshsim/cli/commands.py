@@ -77,7 +77,15 @@ def show(args: argparse.Namespace) -> int:
                 out.print(f"wrote {path} ({len(page.panels)} panels)")
     if args.json:
         report = render.show_json(expected, rows, args.gpus_per_node, wanted)
-        render.print_json({"verb": "show", "exit_code": 0, **report, "kinds_hidden": hidden})
+        render.print_json(
+            {
+                "verb": "show",
+                "exit_code": 0,
+                **report,
+                "kinds_hidden": hidden,
+                "findings": findings_json(expected),
+            }
+        )
         return 0
     render.show(
         out,
@@ -94,6 +102,7 @@ def show(args: argparse.Namespace) -> int:
             f"[dim]{len(hidden)} more kinds (each getter call and view dim, available or "
             f"not): --all-kinds lists them, --kinds K,K picks some[/dim]"
         )
+    print_findings(out, expected)
     return 0
 
 
@@ -245,6 +254,8 @@ def verify(args: argparse.Namespace) -> int:
     out = render.console(stderr=args.json, quiet=quiet)
     flow = dataflow_cli.run(args, world, config) if dataflow else None
     passed = result.passed and (flow is None or flow.passed)
+    if args.strict and _violations(expected):
+        passed = False
     if args.json:
         if not quiet:
             report = {
@@ -255,6 +266,7 @@ def verify(args: argparse.Namespace) -> int:
                 # variant, torchtitan's version) is named too.
                 "config_normalized": dict(expected.config),
                 "wall_seconds": wall,
+                "findings": findings_json(expected),
             }
             if flow is not None:
                 report["dataflow"] = dataflow_cli.as_json(flow)
@@ -263,7 +275,38 @@ def verify(args: argparse.Namespace) -> int:
     print_result(out, result, expected, wall)
     if flow is not None:
         dataflow_cli.print_result(out, flow)
+    print_findings(out, expected, strict=args.strict)
     return 0 if passed else 1
+
+
+def _violations(expected: Expected) -> list[Any]:
+    from meshsim.model.invariants import find_violations
+
+    return find_violations(expected)
+
+
+def findings_json(expected: Expected) -> list[dict[str, str]]:
+    """The reference layout's broken invariants, as JSON (``[]`` when it has none)."""
+    return [
+        {"check": v.check, "kind": v.kind, "message": v.message, "consequence": v.consequence}
+        for v in _violations(expected)
+    ]
+
+
+def print_findings(out: Any, expected: Expected, *, strict: bool | None = None) -> None:
+    """Say where the framework's own layout is wrong, however well the build matched it: a
+    build that matches a broken layout passes ``verify`` (``--strict`` fails it; ``strict``
+    None: the verb has no such flag)."""
+    found = _violations(expected)
+    if not found:
+        return
+    how = {None: "", True: " (a failure under --strict)", False: " (--strict fails on it)"}
+    out.print(
+        f"[yellow]finding[/yellow]: the layout {expected.framework}'s own rules give here "
+        f"breaks {len(found)} invariant(s){how[strict]}:"
+    )
+    for violation in found:
+        out.print(f"  - {violation}", markup=False)
 
 
 def _verify_api() -> Any:

@@ -18,7 +18,7 @@ VERBS = ("show", "diff", "verify", "sweep", "meshes", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
-    | {"--dataflow", "--all-kinds", "--independent"}
+    | {"--dataflow", "--all-kinds", "--independent", "--strict"}
 )
 
 EPILOG = """\
@@ -211,6 +211,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "build groups with the real framework (its extra must be installed)",
     )
     _timeout(verify, "seconds before the ranks are stopped (default 120)")
+    verify.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail (exit 1) when the reference layout itself breaks an invariant: the "
+        "framework's own rules build a broken layout (a finding, printed either way)",
+    )
     _json(verify)
     dataflow_cli.add_flag(verify)
     config_flags(verify, "verify")

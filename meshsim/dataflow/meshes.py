@@ -2,11 +2,11 @@
 
 OLMo-core: ``build_world_mesh`` then ``get_dp_process_group`` for the loader and
 ``get_dp_model_mesh`` for FSDP/DDP; torchtitan: ``ParallelDims.build_mesh`` then the ``batch``
-mesh for the loader and ``["dp_replicate", "fsdp"]`` for FSDP; accelerate, Lightning and
-transformers (two meshes: the model's and its Trainer's): see their functions. Without ``real``
-the plain-torch replays in :mod:`meshsim.builders` build them; with ``real`` the installed
-framework does. The reference is never read here: the recipe must stand on the framework's own
-wiring.
+mesh for the loader and ``["dp_replicate", "fsdp"]`` for FSDP; accelerate, Lightning,
+transformers (two meshes: the model's and its Trainer's) and verl: see their functions. Without
+``real`` the plain-torch replays in :mod:`meshsim.builders` build them; with ``real`` the
+installed framework does. The reference is never read here: the recipe must stand on the
+framework's own wiring.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshsim import torch_private
 from meshsim.errors import UsageError
 
-FRAMEWORKS = ("olmo-core", "torchtitan", "accelerate", "lightning", "transformers")
+FRAMEWORKS = ("olmo-core", "torchtitan", "accelerate", "lightning", "transformers", "verl")
 
 
 @dataclass
@@ -55,6 +55,8 @@ def build(framework: str, world_size: int, config: Mapping[str, Any], real: bool
         return _lightning(world_size, config, real)
     if framework == "transformers":
         return _transformers(world_size, config, real)
+    if framework == "verl":
+        return _verl(world_size, config, real)
     raise UsageError(f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}")
 
 
@@ -281,3 +283,31 @@ def _transformers_plain(world_size: int, config: Mapping[str, Any]) -> tuple[int
     grad = dense[("dp_replicate", "fsdp") if dp_replicate > 1 else ("fsdp",)]
     trainer = plain.trainer_mesh(world_size, tp, dp_replicate * fsdp)
     return pp, grad, dense["tp"] if tp > 1 else None, trainer
+
+
+# -- verl -----------------------------------------------------------------------------------------
+def _verl(world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
+    """The FSDP engine's wiring: the controller hands batch chunk i to the workers whose
+    ``get_data_parallel_rank()`` is i (the Ulysses mesh's ``dp`` rank, else the global rank),
+    Ulysses peers split each sequence (the ``sp`` dim), and FSDP reduces gradients over the
+    device mesh, or over no other rank where FSDP1's NO_SHARD clamp applies."""
+    if real:
+        from meshsim.builders.real import verl as adapter
+
+        root, ulysses, data_rank, data_size, grad = adapter.training_meshes(config)
+    else:
+        from meshsim.builders import verl as plain
+
+        root, ulysses = plain.fsdp_engine_meshes(world_size, config)
+        if ulysses is not None:
+            data_rank, data_size = _local(ulysses["dp"])
+        else:
+            data_rank, data_size = dist.get_rank(), world_size
+        strategy = config.get("strategy", "fsdp")
+        grad = None if plain.no_shard_clamp(root, strategy) else root
+    data = ulysses["dp"] if ulysses is not None else _flat(root, "meshsim_data")
+    cp_rank, cp_size = _local(ulysses["sp"] if ulysses is not None else None)
+    return TrainerMeshes(
+        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"), None,
+        cp_rank, cp_size, 0, ddp=False,
+    )  # fmt: skip

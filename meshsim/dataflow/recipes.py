@@ -145,6 +145,11 @@ def unsupported(
     CPU cannot do, and layouts a recipe does not train (transformers' need ``world_size``)."""
     if framework == "transformers" and world_size is not None:
         return _transformers_unsupported(world_size, config)
+    if framework == "verl" and config.get("strategy", "fsdp") not in ("fsdp", "fsdp2"):
+        return (
+            "the verl data-flow recipe follows the FSDP engine; the torchtitan engine's "
+            "wiring is torchtitan's (meshsim verify torchtitan --dataflow)"
+        )
     if _ddp(framework, config) and (config.get("tp") or 1) > 1:
         name = "OLMo-core" if framework == "olmo-core" else "torchtitan"
         return (

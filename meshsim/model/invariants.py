@@ -6,7 +6,7 @@ runs every check that applies to an :class:`Expected` and says, in words, what i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -18,14 +18,37 @@ from meshsim.model.groups import Groups, format_groups
 
 @dataclass(frozen=True)
 class Violation:
-    """One broken invariant: which check, on which kind, and an example."""
+    """One broken invariant: which check, on which kind, an example, and what goes wrong in
+    training when a job runs with it (``consequence``)."""
 
     check: str
     kind: str
     message: str
+    consequence: str = ""
 
     def __str__(self) -> str:
-        return f"{self.check} [{self.kind}]: {self.message}"
+        text = f"{self.check} [{self.kind}]: {self.message}"
+        return f"{text}: {self.consequence}" if self.consequence else text
+
+
+#: What each check's violation does to a training job.
+CONSEQUENCES = {
+    "gradient_reduce ⊇ data_parallel": (
+        "ranks that load different batches never average their gradients, so the model "
+        "replicas train apart"
+    ),
+    "tensor peers share the data-parallel rank": (
+        "TP peers compute one step's shards on different batches"
+    ),
+    "context peers share the data-parallel rank": (
+        "CP peers hold pieces of different sequences, not one sequence split"
+    ),
+    "pipeline peers share the data-parallel rank": (
+        "pipeline stages pass activations of different batches down the pipe"
+    ),
+    "pipeline neighbours": "activations reach a rank holding another shard",
+    "partition": "some rank is in no group of this kind, or in two",
+}
 
 
 def is_partition(groups: Groups, world_size: int) -> bool:
@@ -164,7 +187,7 @@ def find_violations(expected: Expected) -> list[Violation]:
                 )
     for problem in pipeline_neighbors_mismatch(expected):
         found.append(Violation("pipeline neighbours", roles["pipeline"], problem))
-    return found
+    return [replace(v, consequence=CONSEQUENCES.get(v.check, "")) for v in found]
 
 
 def validate_invariants(expected: Expected) -> None:

@@ -60,6 +60,36 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     return collect(_fsdp(strategy, config))
 
 
+def training_meshes(config: Mapping[str, Any]) -> tuple[Any, Any, int, int, Any]:
+    """The FSDP engine's own answers for a training step: (device mesh, Ulysses mesh or None,
+    ``get_data_parallel_rank()``, ``get_data_parallel_size()``, the mesh its FSDP reduces
+    gradients over, or None where FSDP1's NO_SHARD clamp leaves one rank per group)."""
+    check_keys("verl", config)
+    strategy = config.get("strategy", "fsdp")
+    impl, utils = _shims.load(
+        "verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine.fsdp.utils"
+    )
+    engine = object.__new__(impl.FSDPEngine)
+    engine.engine_config = _engine_config(
+        fsdp_size=config.get("fsdp_size", -1),
+        ulysses_sequence_parallel_size=config.get("ulysses_sequence_parallel_size", 1),
+    )
+    with _device(impl, utils), framework_refusals():
+        engine._init_device_mesh()
+    root = engine.device_mesh
+    grad = root
+    if strategy == "fsdp":
+        reduce = _fsdp1_reduce(utils, root)
+        grad = None if getattr(reduce, "size", lambda: 2)() == 1 else root
+    return (
+        root,
+        engine.ulysses_device_mesh,
+        engine.get_data_parallel_rank(),
+        engine.get_data_parallel_size(),
+        grad,
+    )
+
+
 def _engine_config(**fields: Any) -> types.SimpleNamespace:
     return types.SimpleNamespace(**fields)
 
