@@ -70,3 +70,15 @@ def test_verl_picks_hybrid_shard_for_a_one_rank_shard_dim() -> None:
 
 def test_build_leaves_the_environment_alone() -> None:
     assert environment_changes("verl", 4, {"ulysses_sequence_parallel_size": 2}) == []
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"fsdp_size": 2, "ulysses_sequence_parallel_size": 2}, {"fsdp_size": 1}],
+    ids=case_id,
+)
+def test_the_dataflow_recipe_passes_on_verls_own_engine(config: dict[str, Any]) -> None:
+    from meshsim.dataflow.recipes import check_dataflow
+
+    result = check_dataflow("verl", 4, "gloo", real=True, **config)
+    assert result.passed, str(result)
