@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from meshsim.cli import render
-from meshsim.cli.commands import result_json
+from meshsim.cli.commands import findings_json, result_json
 from meshsim.errors import UsageError
 from meshsim.model.conventions import CONVENTIONS
 from meshsim.model.sweep import LayoutCase, layouts
@@ -209,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     done = [o for o in outcomes if o.results]
     report = Report(args.world_size, tiers, done, len(cases), elapsed, interrupted, args.real)
     summary_table(out, report)
+    print_findings(out, report)
     failures = [o for o in done if not o.passed]
     for o in failures[:10]:
         out.print(f"[red]FAIL[/red] {o.case.id}", markup=True)
@@ -479,6 +481,33 @@ def summary_table(out: Any, report: Report) -> None:
         )
 
 
+def layout_findings(case: LayoutCase) -> list[dict[str, str]]:
+    """The invariants the reference layout of ``case`` breaks (``show`` and ``verify`` print
+    them too): what the framework's own rules build there is wrong, however well it matched."""
+    return findings_json(case.expect())
+
+
+def print_findings(out: Any, report: Report) -> None:
+    """One line per convention whose layouts break an invariant, by check; nothing when none."""
+    counts: dict[str, Counter[str]] = {}
+    layouts = 0
+    for o in report.outcomes:
+        found = layout_findings(o.case)
+        layouts += bool(found)
+        for finding in found:
+            counts.setdefault(o.case.framework, Counter())[finding["check"]] += 1
+    if not counts:
+        return
+    out.print(
+        f"[yellow]findings[/yellow]: {layouts} of {len(report.outcomes)} layouts are what their "
+        "framework's own rules build, and break an invariant (`meshsim show F ...` names each; "
+        "`verify --strict` fails on them):"
+    )
+    for framework, checks in counts.items():
+        text = ", ".join(f"{check}: {n}" for check, n in checks.items())
+        out.print(f"  {framework}: {text}", markup=False)
+
+
 def report_json(report: Report) -> dict[str, Any]:
     """The sweep's JSON document (``--json``): the same shape finished or interrupted."""
     return {
@@ -506,6 +535,7 @@ def report_json(report: Report) -> dict[str, Any]:
                 "config": o.case.config,
                 "passed": o.passed,
                 "agree": o.agree,
+                "findings": layout_findings(o.case),
                 "tiers": {tier: result_json(r) for tier, r in o.results.items()},
             }
             for o in report.outcomes
