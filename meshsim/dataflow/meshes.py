@@ -45,19 +45,19 @@ class TrainerMeshes:
 
 
 def build(framework: str, world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
-    if framework == "olmo-core":
-        return _olmo(world_size, config, real)
-    if framework == "torchtitan":
-        return _torchtitan(world_size, config, real)
-    if framework == "accelerate":
-        return _accelerate(world_size, config, real)
-    if framework == "lightning":
-        return _lightning(world_size, config, real)
-    if framework == "transformers":
-        return _transformers(world_size, config, real)
-    if framework == "verl":
-        return _verl(world_size, config, real)
-    raise UsageError(f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}")
+    recipes = {
+        "olmo-core": _olmo,
+        "torchtitan": _torchtitan,
+        "accelerate": _accelerate,
+        "lightning": _lightning,
+        "transformers": _transformers,
+        "verl": _verl,
+    }
+    if framework not in recipes:
+        raise UsageError(
+            f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}"
+        )
+    return recipes[framework](world_size, config, real)
 
 
 def _local(mesh: Any) -> tuple[int, int]:

@@ -65,22 +65,11 @@ def training_meshes(config: Mapping[str, Any]) -> tuple[Any, Any, int, int, Any]
     ``get_data_parallel_rank()``, ``get_data_parallel_size()``, the mesh its FSDP reduces
     gradients over, or None where FSDP1's NO_SHARD clamp leaves one rank per group)."""
     check_keys("verl", config)
-    strategy = config.get("strategy", "fsdp")
-    impl, utils = _shims.load(
-        "verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine.fsdp.utils"
-    )
-    engine = object.__new__(impl.FSDPEngine)
-    engine.engine_config = _engine_config(
-        fsdp_size=config.get("fsdp_size", -1),
-        ulysses_sequence_parallel_size=config.get("ulysses_sequence_parallel_size", 1),
-    )
-    with _device(impl, utils), framework_refusals():
-        engine._init_device_mesh()
+    engine, utils = _fsdp_engine(config)
     root = engine.device_mesh
     grad = root
-    if strategy == "fsdp":
-        reduce = _fsdp1_reduce(utils, root)
-        grad = None if getattr(reduce, "size", lambda: 2)() == 1 else root
+    if config.get("strategy", "fsdp") == "fsdp" and _fsdp1_reduce(utils, root).size() == 1:
+        grad = None
     return (
         root,
         engine.ulysses_device_mesh,
@@ -90,11 +79,8 @@ def training_meshes(config: Mapping[str, Any]) -> tuple[Any, Any, int, int, Any]
     )
 
 
-def _engine_config(**fields: Any) -> types.SimpleNamespace:
-    return types.SimpleNamespace(**fields)
-
-
-def _fsdp(strategy: str, config: Mapping[str, Any]) -> dict[str, Entry]:
+def _fsdp_engine(config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """An ``FSDPEngine`` (no model) after its own ``_init_device_mesh``, and verl's fsdp utils."""
     impl, utils = _shims.load(
         "verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine.fsdp.utils"
     )
@@ -105,6 +91,15 @@ def _fsdp(strategy: str, config: Mapping[str, Any]) -> dict[str, Entry]:
     )
     with _device(impl, utils), framework_refusals():
         engine._init_device_mesh()
+    return engine, utils
+
+
+def _engine_config(**fields: Any) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**fields)
+
+
+def _fsdp(strategy: str, config: Mapping[str, Any]) -> dict[str, Entry]:
+    engine, utils = _fsdp_engine(config)
     root = engine.device_mesh
     ulysses = engine.ulysses_device_mesh
     entries: dict[str, Entry] = {
