@@ -341,9 +341,11 @@ class TrackingSink:
         self.count += 1
 
     def exit(self, call: Call, error: BaseException | None = None) -> None:
-        self.current = None
-        self.last = call
+        # ``raised_in`` before ``current``: a reader that finds no call in progress then
+        # finds the one just raised out of (``snapshot`` reads in the other order).
         self.raised_in = call if error is not None else None
+        self.last = call
+        self.current = None
 
     def where(self, world_size: int | None = None) -> str | None:
         """``all_reduce on group (0,1) (call #3)`` while blocked, else ``None``."""
@@ -353,10 +355,20 @@ class TrackingSink:
         """The call the last exception came out of, if it came out of one."""
         return _numbered(self.raised_in, self.count, world_size)
 
-    def snapshot(self, world_size: int | None = None) -> tuple[Call | None, str | None]:
-        """(the call in progress, ``where``) read once, so the two agree."""
+    def snapshot(
+        self, world_size: int | None = None, woken: bool = False
+    ) -> tuple[Call | None, str | None]:
+        """(the call in progress, ``where``) read once, so the two agree.
+
+        ``woken``: the world was aborted, so a rank found outside any call may have just been
+        woken out of one; ``where`` then names the call it raised out of (the call stays None:
+        it is no longer in it).
+        """
         call, count = self.current, self.count
-        return call, _numbered(call, count, world_size)
+        where_call = call
+        if call is None and woken:
+            where_call = self.raised_in
+        return call, _numbered(where_call, count, world_size)
 
 
 def _numbered(call: Call | None, count: int, world_size: int | None) -> str | None:

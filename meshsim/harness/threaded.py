@@ -212,7 +212,8 @@ class _Run:
         seen: dict[int, tuple[str | None, str]] = {}
         for r in live:
             if r.outcome is None:
-                call, where = r.sink.snapshot(self.job.world_size)
+                woken = torch_private.threaded_world_aborted()  # by a failed rank
+                call, where = r.sink.snapshot(self.job.world_size, woken=woken)
                 self.blocked[r.rank] = call
                 self.cut[r.rank] = len(r.sink.calls)
                 seen[r.rank] = (where, thread_stack(r.thread.ident))

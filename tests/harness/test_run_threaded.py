@@ -139,6 +139,49 @@ def test_a_rank_still_unwinding_when_the_harness_looks_says_where_it_was(monkeyp
     assert statuses == {0: "aborted", 1: "error", 2: "aborted"}
 
 
+def test_a_woken_rank_that_never_reports_is_still_placed_in_its_call(monkeypatch) -> None:
+    """The same schedule, but the woken ranks do not report at all before the harness ends
+    the run (a rank starved past the join grace on a loaded machine): the harness's own look,
+    which found them outside any call after the world was aborted, names the call they were
+    woken out of. Forced by dropping the aborted ranks' own reports once the harness looked.
+    """
+    from meshsim.harness import threaded
+
+    looked = threading.Event()
+    real_stack, real_report = threaded.thread_stack, threaded._Rank.report
+
+    def stack_then_release(ident: int | None) -> str:
+        text = real_stack(ident)
+        looked.set()
+        return text
+
+    def never_reported(self, outcome) -> None:  # type: ignore[no-untyped-def]
+        if outcome.status == "aborted" and threading.current_thread() is self.thread:
+            assert looked.wait(120), "the harness never looked"
+            return
+        real_report(self, outcome)
+
+    monkeypatch.setattr(threaded, "thread_stack", stack_then_release)
+    monkeypatch.setattr(threaded._Rank, "report", never_reported)
+    monkeypatch.setattr(threaded, "FAILURE_GRACE_S", 1.0)  # the ranks wait for the look anyway
+
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise KeyError("boom")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankFailure) as info:
+        run(body, 3, "threaded", timeout=60)
+    assert looked.is_set()
+    text = str(info.value)
+    assert "ranks 0, 2: aborted after another rank failed (in all_reduce on the world" in text
+    statuses = {o.rank: o.status for o in info.value.outcomes}
+    assert statuses == {0: "aborted", 1: "error", 2: "aborted"}
+
+
 def test_hang_in_a_collective_times_out_with_stacks_and_collectives() -> None:
     def body() -> None:
         import torch
