@@ -13,8 +13,10 @@
 # created on first use and reused after. torch is installed first and pinned: meshsim and its
 # test extras are installed with a constraint on that exact torch, so pip never swaps it.
 # Releases with no CPU wheel on the configured indexes come as the CUDA build (2-5 GB, runs on
-# the CPU). The real frameworks are not installed (tests/real skips); the suite is the README's
-# test command without them, the main job `meshsim sweep --world-size 8 --communicate 2`.
+# the CPU). A machine-wide pip constraint (a cap such as torch<=2.14.1 in /etc/xdg/pip) is not
+# applied inside these venvs: each holds exactly the release asked for, and every install there
+# pins torch to it. The real frameworks are not installed (tests/real skips); the suite is the
+# README's test command without them, the main job `meshsim sweep --world-size 8 --communicate 2`.
 # Prints a table (torch, suite, main job, minutes) and saves it with the logs under
 # benchmarks/results/matrix-<date>/. MESHSIM_MATRIX_TESTS narrows the suite (pytest paths or
 # -k expressions, e.g. "tests/harness"), for a quick look at one release.
@@ -31,6 +33,7 @@ versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=(2.9.1 2.10.0 2.13.0 2.14.1 2.15.0)
 out="benchmarks/results/matrix-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$out" "$venvs"
+export PIP_CONSTRAINT=/dev/null  # see above: the venv's own pin on torch is the constraint
 
 summary() {  # the pytest summary line of a log, without the '=' rulers
     grep -E '(passed|failed|error).* in [0-9.]+s' "$1" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//'
