@@ -35,13 +35,17 @@ class TrainerMeshes:
     grad: DeviceMesh | None
     #: The data-loading mesh as a real mesh (what the wrong wiring wraps the model over).
     data: DeviceMesh | None
-    #: The gradient group flattened to one dim (what the wrong sampler splits over).
-    grad_flat: DeviceMesh | None
     tp: DeviceMesh | None
     cp_rank: int
     cp_size: int
     pp_rank: int
     ddp: bool
+
+    def gradient_flat(self) -> DeviceMesh | None:
+        """The gradient mesh flattened to one dim (what the wrong sampler splits over), made
+        only when asked: before torch 2.10 flattening a mesh that holds a flattened dim fails,
+        and the right wiring never needs it."""
+        return _flat(self.grad, "meshsim_grad")
 
 
 def build(framework: str, world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMeshes:
@@ -115,7 +119,7 @@ def _olmo_getters(root: DeviceMesh, config: Mapping[str, Any], parallel: Any) ->
     pp_rank, _ = _local(parallel.get_pp_mesh(root) if "pp" in names else None)
     dp = str(getattr(config.get("dp"), "value", config.get("dp")))
     return TrainerMeshes(
-        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"), tp, cp_rank, cp_size,
+        data_rank, data_size, grad, data, tp, cp_rank, cp_size,
         pp_rank, ddp=dp == "ddp",
     )  # fmt: skip
 
@@ -165,7 +169,7 @@ def _torchtitan(world_size: int, config: Mapping[str, Any], real: bool) -> Train
     cp_rank, cp_size = _local(cp_mesh)
     pp_rank, _ = _local(pp_mesh)
     return TrainerMeshes(
-        data_rank, data_size, grad, loading["batch"], _flat(grad, "meshsim_grad"), tp_mesh,
+        data_rank, data_size, grad, loading["batch"], tp_mesh,
         cp_rank, cp_size, pp_rank, ddp=dps * cp == 1,
     )  # fmt: skip
 
@@ -207,7 +211,7 @@ def _accelerate(world_size: int, config: Mapping[str, Any], real: bool) -> Train
     data = root["dp"] if "dp_replicate" in names or "dp_shard" in names else None
     cp_rank, cp_size = _local(root["cp"] if "cp" in names else None)
     return TrainerMeshes(
-        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"),
+        data_rank, data_size, grad, data,
         root["tp"] if "tp" in names else None, cp_rank, cp_size, 0, ddp=kind == "MULTI_GPU",
     )  # fmt: skip
 
@@ -233,7 +237,7 @@ def _lightning(world_size: int, config: Mapping[str, Any], real: bool) -> Traine
         data_rank, data_size = _local(root["data_parallel"])
     data, tp = root["data_parallel"], root["tensor_parallel"]
     return TrainerMeshes(
-        data_rank, data_size, data, data, data, tp if tp.size() > 1 else None, 0, 1, 0, ddp=False
+        data_rank, data_size, data, data, tp if tp.size() > 1 else None, 0, 1, 0, ddp=False
     )
 
 
@@ -243,46 +247,56 @@ def _transformers(world_size: int, config: Mapping[str, Any], real: bool) -> Tra
     ``get_mesh(("dp_replicate", "fsdp"))``, or ``"fsdp"`` without replicas; TP over ``"tp"``),
     while the Trainer's loader splits batches as accelerate does over the mesh of the
     ``ParallelismConfig(tp_size, dp_shard_size)`` it builds for a TP model (none otherwise:
-    every rank a replica)."""
+    every rank a replica).
+
+    The model's meshes are sliced last, as in a job, where the model is sharded before the
+    Trainer's loader runs: torch < 2.10 keys sub-meshes by value, so the Trainer mesh's equal
+    ``tp`` sub-mesh, sliced later, would become their root (FSDP2 then refuses the model).
+    """
     if real:
         from meshsim.builders.real import transformers as adapter
 
-        pp, grad, tp, trainer = adapter.training_meshes(config)
+        pp, model_meshes, trainer = adapter.training_meshes(config)
     else:
-        pp, grad, tp, trainer = _transformers_plain(world_size, config)
-    if pp > 1 or (grad is None and tp is None):  # recipes.unsupported says why
+        pp, model_meshes, trainer = _transformers_plain(world_size, config)
+    if pp > 1:  # recipes.unsupported says why
         raise UsageError(f"no transformers data-flow recipe for {dict(config)}")
     if trainer is None:
         data_rank, data_size, data = dist.get_rank(), world_size, None
-    elif real:
-        from meshsim.builders.real import accelerate as adapter
-
-        with adapter.loader_state(world_size, "MULTI_GPU"):
-            sampler = adapter.prepare_loader(world_size, trainer).batch_sampler
-        data_rank = getattr(sampler, "process_index", 0)
-        data_size = getattr(sampler, "num_processes", 1)
     else:
-        from meshsim.builders import accelerate
+        if real:
+            from meshsim.builders.real import accelerate as adapter
 
-        data_rank, data_size = accelerate.loader_rank(world_size, "MULTI_GPU", trainer)
-    if trainer is not None:  # the Trainer's data-parallel dim, when accelerate kept one
+            with adapter.loader_state(world_size, "MULTI_GPU"):
+                sampler = adapter.prepare_loader(world_size, trainer).batch_sampler
+            data_rank = getattr(sampler, "process_index", 0)
+            data_size = getattr(sampler, "num_processes", 1)
+        else:
+            from meshsim.builders import accelerate
+
+            data_rank, data_size = accelerate.loader_rank(world_size, "MULTI_GPU", trainer)
+        # The Trainer's data-parallel dim, when accelerate kept one.
         data = trainer["dp_shard"] if "dp_shard" in (trainer.mesh_dim_names or ()) else None
-    return TrainerMeshes(
-        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"), tp, 0, 1, 0, ddp=False
-    )
+    grad, tp = model_meshes()
+    if grad is None and tp is None:  # recipes.unsupported says why
+        raise UsageError(f"no transformers data-flow recipe for {dict(config)}")
+    return TrainerMeshes(data_rank, data_size, grad, data, tp, 0, 1, 0, ddp=False)
 
 
-def _transformers_plain(world_size: int, config: Mapping[str, Any]) -> tuple[int, Any, Any, Any]:
-    """(pp size, FSDP2's mesh, the TP mesh, the Trainer's mesh), by the plain-torch builder."""
+def _transformers_plain(world_size: int, config: Mapping[str, Any]) -> tuple[int, Any, Any]:
+    """(pp size, the model meshes' slicer, the Trainer's mesh), by the plain-torch builder."""
     from meshsim.builders import transformers as plain
 
     pp, dp_replicate, fsdp, tp, ep = plain.distributed_config(world_size, config)
     if (pp, dp_replicate, fsdp, tp) == (1, 1, 1, 1):
-        return 1, None, None, None  # no mesh, no wrapper
+        return 1, lambda: (None, None), None  # no mesh, no wrapper
     dense, _ = plain.initialize_distributed_mesh(world_size, pp, dp_replicate, fsdp, tp, ep)
-    grad = dense[("dp_replicate", "fsdp") if dp_replicate > 1 else ("fsdp",)]
-    trainer = plain.trainer_mesh(world_size, tp, dp_replicate * fsdp)
-    return pp, grad, dense["tp"] if tp > 1 else None, trainer
+
+    def model_meshes() -> tuple[Any, Any]:
+        grad = dense[("dp_replicate", "fsdp") if dp_replicate > 1 else ("fsdp",)]
+        return grad, dense["tp"] if tp > 1 else None
+
+    return pp, model_meshes, plain.trainer_mesh(world_size, tp, dp_replicate * fsdp)
 
 
 # -- verl -----------------------------------------------------------------------------------------
@@ -307,7 +321,4 @@ def _verl(world_size: int, config: Mapping[str, Any], real: bool) -> TrainerMesh
         grad = None if plain.no_shard_clamp(root, strategy) else root
     data = ulysses["dp"] if ulysses is not None else _flat(root, "meshsim_data")
     cp_rank, cp_size = _local(ulysses["sp"] if ulysses is not None else None)
-    return TrainerMeshes(
-        data_rank, data_size, grad, data, _flat(grad, "meshsim_grad"), None,
-        cp_rank, cp_size, 0, ddp=False,
-    )  # fmt: skip
+    return TrainerMeshes(data_rank, data_size, grad, data, None, cp_rank, cp_size, 0, ddp=False)

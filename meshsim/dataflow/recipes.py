@@ -103,10 +103,10 @@ def check_dataflow(
         reason = unavailable(framework)
         if reason is not None:
             raise UsageError(reason)
-    expected = expect(framework, world_size, **config)
     reason = unsupported(framework, config, backend, world_size=world_size)
     if reason is not None:
         raise UsageError(reason)
+    expected = expect(framework, world_size, **config)
     start = time.perf_counter()
 
     def result(**fields: Any) -> DataflowResult:
@@ -225,8 +225,9 @@ def train_on_rank(
     rank = dist.get_rank()
     m = meshes.build(framework, world_size, config, real)
     data_rank, data_size = m.data_rank, m.data_size
-    if wiring == "sampler_over_gradient_mesh" and m.grad_flat is not None:
-        data_rank, data_size = m.grad_flat.get_local_rank(), m.grad_flat.size()
+    flat = m.gradient_flat() if wiring == "sampler_over_gradient_mesh" else None
+    if flat is not None:
+        data_rank, data_size = flat.get_local_rank(), flat.size()
     seed = 1234
     if wiring == "tp_different_seeds" and m.tp is not None:
         seed += m.tp.get_local_rank()

@@ -90,10 +90,11 @@ def _mesh_entries(manager: Any, config: Any) -> dict[str, Entry]:
     return entries
 
 
-def training_meshes(config: Mapping[str, Any]) -> tuple[int, Any, Any, Any]:
-    """What a Trainer run of ``config`` holds, from transformers' own code: (pp size, FSDP2's
-    mesh as ``apply_fully_sharded_data_parallelism`` slices it, the TP mesh, the Trainer's
-    accelerate mesh); a mesh is None where none is built (the Trainer's: no TP, or refused)."""
+def training_meshes(config: Mapping[str, Any]) -> tuple[int, Any, Any]:
+    """What a Trainer run of ``config`` holds, from transformers' own code: (pp size, a function
+    returning FSDP2's mesh as ``apply_fully_sharded_data_parallelism`` slices it and the TP mesh,
+    the Trainer's accelerate mesh or None where it builds none: no TP, or refused). The model's
+    meshes are sliced when the function is called (see ``meshsim.dataflow.meshes``)."""
     check_keys("transformers", config)
     distributed, mixin, trainer = _shims.load(
         "transformers.distributed", "transformers.distributed.mixin", "transformers.trainer"
@@ -105,12 +106,17 @@ def training_meshes(config: Mapping[str, Any]) -> tuple[int, Any, Any, Any]:
             distributed_config = distributed.DistributedConfig(**config)
             _, _, manager = mixin.DistributedMixin.prepare_distribute_model(distributed_config)
         if manager is None:
-            return 1, None, None, None
+            return 1, lambda: (None, None), None
         hsdp = distributed_config.dp_replicate_size > 1
-        grad = manager.get_mesh(("dp_replicate", "fsdp") if hsdp else "fsdp")
-        tp = manager.get_mesh("tp") if distributed_config.tp_size > 1 else None
+        tp_size = distributed_config.tp_size
+
+        def model_meshes() -> tuple[Any, Any]:
+            grad = manager.get_mesh(("dp_replicate", "fsdp") if hsdp else "fsdp")
+            return grad, manager.get_mesh("tp") if tp_size > 1 else None
+
         mesh = _trainer_mesh(trainer.Trainer, distributed_config)
-        return distributed_config.pp_size, grad, tp, None if isinstance(mesh, Exception) else mesh
+        trainer_mesh = None if isinstance(mesh, Exception) else mesh
+        return distributed_config.pp_size, model_meshes, trainer_mesh
 
 
 def _trainer_entries(trainer_class: Any, config: Any) -> dict[str, Entry]:

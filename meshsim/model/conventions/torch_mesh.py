@@ -239,4 +239,5 @@ def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
     if outer < world_size:  # torch lets a size-1 dim stand anywhere in a flatten
         shape = (outer, world_size // outer)
         yield {"mesh_shape": shape, "mesh_dim_names": ("dp", "tp"), "ops": ["flatten tp,dp"]}
-    yield {"mesh_shape": (world_size,), "ops": [f"unflatten world 2,{world_size} -> a,b"]}
+    if _torch_release.builds_unflatten():  # below 2.10 torch has no _unflatten at all
+        yield {"mesh_shape": (world_size,), "ops": [f"unflatten world 2,{world_size} -> a,b"]}

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
+from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import reject_unknown
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
@@ -137,10 +138,11 @@ def ulysses_mesh(world_size: int, sp: int) -> Layout | None:
     if sp == 1:
         return None
     if sp > world_size:
+        error = _torch_release.empty_mesh_error()
         raise LayoutError(
             f"ulysses_sequence_parallel_size={sp} exceeds the world ({world_size}): verl builds "
-            f"a (dp, sp) = (0, {sp}) mesh, which init_device_mesh rejects (AssertionError)",
-            upstream="AssertionError",
+            f"a (dp, sp) = (0, {sp}) mesh, which init_device_mesh rejects ({error})",
+            upstream=error,
         )
     if world_size % sp:
         raise _outside(world_size, (world_size // sp, sp), "ulysses_sequence_parallel_size")
@@ -293,7 +295,9 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     """FSDP engine: both strategies x every fsdp_size that changes the mesh (default, each
     proper divisor; 1 is verl#7493) x every Ulysses degree; then the torchtitan engine over
     every (dp_shard, cp, tp, pp) split with dp_shard x cp > 1, and HSDP halves of each
-    (``torchtitan=False`` drops those). World 8 gives 32 + 26."""
+    (``torchtitan=False`` drops those; so does a described torch release without
+    ``_unflatten``, below 2.10, on which torchtitan 0.3.0's ParallelDims cannot build). World 8
+    gives 32 + 26."""
     for strategy in ("fsdp", "fsdp2"):
         for fsdp_size in (-1, *divisors(world_size)[:-1]):
             for sp in divisors(world_size):
@@ -303,7 +307,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
                 if sp != 1:
                     cfg["ulysses_sequence_parallel_size"] = sp
                 yield cfg
-    if not options.get("torchtitan", True):
+    if not options.get("torchtitan", True) or not _torch_release.builds_unflatten():
         return
     for shard, cp, tp, pp in ordered_factorizations(world_size, 4):
         if shard * cp == 1:
@@ -333,5 +337,7 @@ def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
     yield {"fsdp_size": 0}
     yield {"strategy": "fsdp2", "ulysses_sequence_parallel_size": 0}
     yield {"ulysses_sequence_parallel_size": 2 * world_size}
+    if not _torch_release.builds_unflatten():
+        return  # below torch 2.10 the torchtitan engine refuses every layout alike
     yield {"strategy": "torchtitan", "data_parallel_shard_size": 2 * world_size}
     yield {"strategy": "torchtitan", "tensor_parallel_size": world_size}
