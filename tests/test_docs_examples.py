@@ -12,6 +12,8 @@ HTML comment on the line before the fence says how it runs (tokens separated by 
 * ``<!-- example: slow -->``: minutes of work; runs only with ``-m slow``.
 * ``<!-- example: exit N -->``: a shell block whose commands exit N (``meshsim diff`` finding
   a difference exits 1).
+* ``<!-- example: torch 2.10 -->``: needs that torch release or a newer one (torchtitan's
+  current line builds only from 2.10 on); skipped with that reason on an older one.
 
 A shell block runs when every command in it is ``meshsim ...`` or ``python -m meshsim ...``
 (``python benchmarks/...`` too, when marked slow); any other command without a skip marker
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from meshsim.model import torch_release
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Importable by the examples: ``my_trainer``, the downstream project of the getting-started test.
@@ -66,7 +70,7 @@ def _options(spec: str) -> dict[str, str]:
     for token in re.split(r",\s*(?![^()]*\))", spec):
         name, _, value = token.strip().partition(" ")
         options[name] = value.strip().strip("()")
-    unknown = set(options) - {"skip", "continue", "pytest", "slow", "exit"}
+    unknown = set(options) - {"skip", "continue", "pytest", "slow", "exit", "torch"}
     if unknown:
         raise ValueError(f"unknown example marker(s) {sorted(unknown)} in {spec!r}")
     return options
@@ -167,6 +171,11 @@ def test_example_runs(example: Example, tmp_path: Path) -> None:
         if not reason:
             pytest.fail(f"{example.id}: a skip marker needs a reason: skip (needs a GPU)")
         pytest.skip(f"{example.id}: {reason}")
+    if "torch" in example.options:
+        needed = tuple(int(part) for part in example.options["torch"].split("."))
+        have = torch_release.installed()
+        if have is not None and have < needed:
+            pytest.skip(f"{example.id}: needs torch >= {example.options['torch']}")
     (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
     if example.language == "python":
         script = tmp_path / ("test_example.py" if "pytest" in example.options else "example.py")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 #: One representative config per convention, at world 8: the groups a reader sees first.
@@ -150,5 +152,23 @@ def render(framework: str) -> str:
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    """mkdocs hook: replace ``<!-- generated: convention NAME -->`` with the tables."""
-    return _MARKER.sub(lambda match: render(match.group(1)), markdown)
+    """mkdocs hook: replace ``<!-- generated: convention NAME -->`` with the tables.
+
+    The pages describe the newest torch release, whichever torch builds the site (the
+    reference otherwise follows the installed one: torchtitan's current line refuses every
+    layout on torch 2.9), unless ``MESHSIM_TORCH_RELEASE`` pins another."""
+    with newest_torch():
+        return _MARKER.sub(lambda match: render(match.group(1)), markdown)
+
+
+@contextlib.contextmanager
+def newest_torch() -> Iterator[None]:
+    """``MESHSIM_TORCH_RELEASE=newest`` while the block runs, unless it is set already."""
+    if "MESHSIM_TORCH_RELEASE" in os.environ:
+        yield
+        return
+    os.environ["MESHSIM_TORCH_RELEASE"] = "newest"
+    try:
+        yield
+    finally:
+        del os.environ["MESHSIM_TORCH_RELEASE"]

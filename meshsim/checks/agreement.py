@@ -232,8 +232,9 @@ def _communicators(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Di
                 detail = (
                     f"{a.name}:{name_a} and {b.name}:{name_b} are one process group "
                     f"over {dim_a.members}: two models' collectives on it interleave and hang "
-                    "(torch hands any mesh dim spanning the whole world the default group, "
-                    "named or not; give one model its own group with new_group)"
+                    "(torch hands a mesh dim spanning the whole world the default group, "
+                    "named or not: any such dim since torch 2.10, a 1-D mesh's before; give "
+                    "one model its own group with new_group)"
                 )
             elif name_a == name_b and dim_a.members == dim_b.members:
                 aspect = "equal sub-meshes"

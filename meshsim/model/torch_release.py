@@ -63,6 +63,24 @@ def flatten_name_taken_error() -> str:
     return "RuntimeError" if _before((2, 10)) else "ValueError"
 
 
+def empty_mesh_error() -> str:
+    """What ``init_device_mesh`` with a leading dim of size 0 (verl's ``(0, sp)``) raises:
+    before 2.10 a RuntimeError from reshaping the empty rank tensor, since then its own
+    AssertionError."""
+    return "RuntimeError" if _before((2, 10)) else "AssertionError"
+
+
+def negative_mesh_dim_error() -> str:
+    """What ``init_device_mesh`` raises for negative dim sizes whose product is the world
+    (``(-2, -4)`` on 8 ranks): 2.10 to 2.12 lay the rank map out through CuTe's
+    ``complement``, which asserts; before and since, reshaping the rank tensor raises a
+    RuntimeError. Measured on 2.9.1, 2.10.0, 2.13.0 and 2.15.0; 2.11 and 2.12 read from their
+    source (the same ``complement`` path as 2.10)."""
+    described = target()
+    between = described is not None and (2, 10) <= described < (2, 13)
+    return "AssertionError" if between else "RuntimeError"
+
+
 def backend_options_error() -> str:
     """What ``backend_override`` with a non-Options second item raises: TypeError before 2.10."""
     return "TypeError" if _before((2, 10)) else "AttributeError"

@@ -28,7 +28,8 @@ def test_builder_matches_reference_on_every_rank(case: meshsim.LayoutCase) -> No
 def test_builder_refuses_with_lightnings_exception_type(config: dict[str, Any]) -> None:
     with pytest.raises(meshsim.LayoutError) as reference:
         meshsim.expect("lightning", 8, **config)
-    with pytest.raises(RuntimeError) as built:
+    # RuntimeError, but torch 2.10-2.12's init_device_mesh asserts on negative sizes.
+    with pytest.raises((RuntimeError, AssertionError)) as built:
         on_rank("lightning", 8, config, rank=0)
     upstream = getattr(built.value, "upstream", None) or type(built.value).__name__
     assert upstream == reference.value.upstream

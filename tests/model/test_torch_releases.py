@@ -92,3 +92,22 @@ def test_torchtitan_sweeps_only_what_the_release_builds(monkeypatch):
         expect("torchtitan", 8, **case.config)
     monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "newest")
     assert len(layouts(8, "torchtitan")) == 340
+
+
+@pytest.mark.parametrize(
+    ("release", "upstream"),
+    [("2.9", "RuntimeError"), ("2.10", "AssertionError"), ("2.12", "AssertionError"),
+     ("2.13", "RuntimeError"), ("newest", "RuntimeError")],
+)  # fmt: skip
+def test_negative_mesh_sizes_assert_on_2_10_to_2_12(monkeypatch, release, upstream):
+    """Two negative sizes multiplying to the world pass Lightning's and AReaL Archon's checks;
+    init_device_mesh then raises what the release raises (measured: 2.9.1, 2.10.0, 2.13.0,
+    2.15.0)."""
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", release)
+    for framework, config in (
+        ("lightning", {"data_parallel_size": -2, "tensor_parallel_size": -4}),
+        ("areal-archon", {"tp": -1, "cp": -1}),
+    ):
+        with pytest.raises(LayoutError) as refused:
+            expect(framework, 8, **config)
+        assert refused.value.upstream == upstream, framework

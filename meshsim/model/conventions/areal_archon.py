@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
+from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.conventions.areal_fsdp import engine_roles
 from meshsim.model.expected import Expected, Kind, layout_kind
@@ -92,7 +93,7 @@ def _normalize(world_size: int, config: Mapping[str, Any]) -> dict[str, int]:
         raise LayoutError(
             f"init_device_mesh gets a mesh dim < 1: (pp, dp_shard, cp, tp) = "
             f"({pp}, {dp_shard}, {cp}, {tp})",
-            upstream="RuntimeError",
+            upstream=_torch_release.negative_mesh_dim_error(),
         )
     return cfg
 

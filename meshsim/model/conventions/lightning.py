@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
+from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import reject_unknown
 from meshsim.model.expected import Expected, layout_kind
 from meshsim.model.layout import Layout
@@ -93,7 +94,7 @@ def _resolve(world_size: int, config: Mapping[str, Any]) -> tuple[int, int, int]
         raise LayoutError(
             f"init_device_mesh refuses mesh_shape ({dp}, {tp}): a negative dim size (Lightning "
             "checks only that the sizes multiply to the world)",
-            upstream="RuntimeError",
+            upstream=_torch_release.negative_mesh_dim_error(),
         )
     return dp, tp, nodes
 
@@ -111,9 +112,10 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
 
 
 def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
-    """Configs Lightning rejects (all ``RuntimeError``): sizes whose product is not the world
+    """Configs Lightning rejects (``RuntimeError``): sizes whose product is not the world
     (an explicit size beside an "auto" one included), a size of 0, and two negative sizes,
-    which pass Lightning's product check and fail in ``init_device_mesh``."""
+    which pass Lightning's product check and fail in ``init_device_mesh`` (an AssertionError
+    on torch 2.10-2.12)."""
     yield {"data_parallel_size": world_size, "tensor_parallel_size": 2}
     yield {"data_parallel_size": 0, "tensor_parallel_size": world_size}
     if world_size > 1:
