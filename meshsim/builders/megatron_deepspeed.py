@@ -54,6 +54,8 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         sizes = (world_size // (tp * dp), tp * dp)
         blocks = torch_private.unflatten(line, 0, sizes, ("amax_outer", "amax"), emulate=True)
         entries["amax"] = blocks["amax"]
+    elif variant == "upstream":
+        entries["amax"] = AssertionError("FP8 amax reduction group is not initialized")
     return collect(entries)
 
 

@@ -162,6 +162,16 @@ def test_gloo_twin_not_made() -> None:
     assert "dp:gloo" not in habana.kinds() and "dp:gloo" not in habana.unavailable()
 
 
+def test_amax_group_not_made_without_fp8() -> None:
+    upstream = expect(8, tensor_model_parallel_size=2)
+    assert "amax" not in upstream.kinds()
+    error = upstream.unavailable()["amax"]
+    assert error.upstream == "AssertionError"
+    assert "get_amax_reduction_group() asserts" in str(error)
+    habana = expect(8, tensor_model_parallel_size=2, variant="habana-2024")
+    assert "amax" not in habana.kinds() and "amax" not in habana.unavailable()
+
+
 def test_fp8_amax_groups() -> None:
     exp = expect(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, use_fp8=True)
     assert exp.groups("amax") == Groups([tuple(range(8)), tuple(range(8, 16))])

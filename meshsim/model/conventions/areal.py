@@ -282,8 +282,10 @@ def order_breaks(world_size: int, **config: Any) -> list[OrderBreak]:
     """Every (rank, kind) a ``rank_mapping`` that breaks rank order leaves without its group.
 
     Example: ``order_breaks(4, num_dp=2, num_tp=2, rank_mapping=[0, 2, 1, 3])``: world rank 1
-    (grid rank 2) takes itself for grid rank 1, so it holds neither a ``dp_proc_group`` nor a
-    ``slice_proc_group`` (and their twins), and world rank 2 likewise.
+    (grid rank 2) takes itself for grid rank 1, so it holds none of the groups its believed
+    coordinate does not place it in: ``dp_proc_group``, ``slice_proc_group``,
+    ``ds_model_proc_group``, ``pp_proc_group``, the embedding and position-embedding groups
+    (and the gloo twins); world rank 2 likewise.
     """
     g = grid(world_size, **config)
     if g.keeps_order:

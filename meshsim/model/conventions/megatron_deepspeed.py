@@ -127,6 +127,13 @@ def expect(world_size: int, **config: Any) -> Expected:
             return Groups(np.arange(world_size, dtype=np.int64).reshape(-1, tp * dp))
 
         kinds.append(Kind("amax", said["amax"], blocks))
+    elif variant == "upstream":  # the getter asserts; the Habana line has none to ask
+        error = LayoutError(
+            "get_amax_reduction_group() asserts: use_fp8=False, so initialize_model_parallel "
+            "made no FP8 amax reduction group",
+            upstream="AssertionError",
+        )
+        kinds.append(Kind("amax", "get_amax_reduction_group() (not made: use_fp8=False)", error))
     normal = {
         "variant": variant,
         "tensor_model_parallel_size": tp,
