@@ -22,6 +22,7 @@ from typing import Any
 
 from meshsim.builders._common import Entry, FrameworkRejection, collect, new_groups, require
 from meshsim.checks import Observation
+from meshsim.model.conventions import deepspeed_autoep
 
 _SIZES = ("pp_size", "tp_size", "ep_size", "etp_size")
 
@@ -35,7 +36,8 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     unknown = set(config) - {*_SIZES, "mp_mode"}
     if unknown:
         raise FrameworkRejection(f"unknown keys {sorted(unknown)}", upstream=None)
-    pp, tp, ep, etp = (_size(config, key) for key in _SIZES)
+    sizes = deepspeed_autoep.engine_sizes(config)  # the engine's max(autotp_size, 1)
+    pp, tp, ep, etp = (_size(sizes, key) for key in _SIZES)
     stage = _stage_size(world_size, pp, tp, ep, etp)
     _validate(pp, tp, ep, etp)
     stages = [list(range(s, s + stage)) for s in range(0, world_size, stage)]

@@ -185,6 +185,7 @@ def test_dispatcher_with_tp_feeds_every_dp_rank_the_same_batch() -> None:
         ({"dp_shard_size": 16}, "RuntimeError", "bigger than default world size"),
         ({"dp_replicate_size": 8, "distributed_type": "FSDP"}, "ValueError", "FSDP to shard"),
         ({"autotp_size": 16}, "RuntimeError", "init_device_mesh"),
+        ({"autotp_size": 3}, "IndexError", r"raises IndexError on ranks 6-7"),
         ({"sp_size": 2, "version": "1.10"}, "TypeError", "unexpected keyword argument 'sp_size'"),
         ({"dp_shard_size": 8, "distributed_type": "DEEPSPEED", "version": "1.10"}, "ValueError",
          "only compatible"),

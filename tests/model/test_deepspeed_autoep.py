@@ -82,6 +82,15 @@ def test_tp_1_builds_no_tp_group() -> None:
                                 "mp_mode": "tp"}  # fmt: skip
 
 
+def test_autotp_size_below_1_is_no_autotp_as_the_engine_clamps_it() -> None:
+    """tensor_parallel.autotp_size defaults to 0 in DeepSpeed; the engine passes
+    max(autotp_size, 1), so 0 (or -1) folds exactly as 1 instead of being refused."""
+    for tp in (0, -1):
+        exp = autoep(8, tp_size=tp, ep_size=2)
+        assert tables(exp) == tables(autoep(8, tp_size=1, ep_size=2))
+        assert exp.config["tp_size"] == 1
+
+
 def test_mp_mode_never_changes_groups() -> None:
     assert tables(autoep(8, tp_size=2, ep_size=4, mp_mode="sp")) == tables(
         autoep(8, tp_size=2, ep_size=4, mp_mode="tp")
@@ -154,12 +163,14 @@ def test_importing_the_reference_imports_no_torch() -> None:
 
 # -- DeepSpeed's own tables ----------------------------------------------------------------------
 def _upstream(world: int, config: dict[str, Any]) -> Any:
-    """DeepSpeed's spec for ``config`` after both of the engine's checks (raises as they do)."""
+    """DeepSpeed's spec for ``config`` after both of the engine's checks (raises as they do).
+    The engine hands build_folding_spec ``max(autotp_size, 1)`` (runtime/engine.py and
+    module_inject/auto_ep_config.py in 0.19.8), so AutoTP's default 0 is no AutoTP."""
     folding = pytest.importorskip("deepspeed.module_inject.auto_ep_folding")
     spec = folding.build_folding_spec(
         world_size=world,
         pp_size=config.get("pp_size", 1),
-        tp_size=config.get("tp_size", 1),
+        tp_size=max(config.get("tp_size", 1), 1),
         ep_size=config.get("ep_size", 1),
         etp_size=config.get("etp_size", 1),
         mp_mode=config.get("mp_mode", "tp"),

@@ -139,3 +139,38 @@ def test_other_release_is_refused_as_usage() -> None:
     assert f"accelerate {INSTALLED} is installed" in outcomes[0][3]
     with pytest.raises(LayoutError):
         expect("accelerate", 4, dp_shard_size=3, version=other)
+
+
+def _deepspeed_tp_groups(autotp: int) -> str | tuple[int, ...]:
+    """DeepSpeed's own ``_init_tp_mesh_device`` on this rank (what its engine calls for AutoTP
+    after accelerate's ``_prepare_deepspeed``): this rank's TP group, or the error's type."""
+    import torch.distributed as dist
+
+    from meshsim.builders.real import _shims
+
+    (groups,) = _shims.load("deepspeed.utils.groups")
+    with _shims.deepspeed_comm():
+        groups._release_process_group_references(None)
+        try:
+            groups._init_tp_mesh_device(tensor_model_parallel_size=autotp)
+            return tuple(dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()))
+        except Exception as error:
+            return type(error).__name__
+        finally:
+            groups._release_process_group_references(None)
+
+
+@pytest.mark.requires_framework("deepspeed")
+def test_non_dividing_autotp_fails_in_deepspeeds_engine_as_the_reference_says() -> None:
+    """The reference's IndexError for autotp_size 3 on 8 ranks is DeepSpeed 0.19.8's: its
+    engine's ``_init_tp_mesh_device`` lays a (2, 3) mesh over ranks 0-5, and ranks 6 and 7 fail.
+    (The adapter stops at accelerate's mesh, so this runs DeepSpeed's function itself.)"""
+    pytest.importorskip("deepspeed.utils.groups")
+    from meshsim import run
+
+    with pytest.raises(LayoutError) as refused:
+        expect("accelerate", 8, autotp_size=3)
+    assert refused.value.upstream == "IndexError"
+    got = list(run(_deepspeed_tp_groups, 8, backend="gloo", timeout=120, args=(3,)))
+    assert got[:6] == [(0, 1, 2), (0, 1, 2), (0, 1, 2), (3, 4, 5), (3, 4, 5), (3, 4, 5)]
+    assert got[6:] == ["IndexError", "IndexError"]

@@ -176,14 +176,21 @@ def _ask(root: Any, name: str | tuple[str, ...]) -> Entry:
 
 
 def _autotp_mesh(world_size: int, autotp: int, device: str) -> Any:
-    """``_prepare_deepspeed``'s mesh, with its size checks (torch raises beyond the world)."""
+    """``_prepare_deepspeed``'s mesh, with its size checks (torch raises beyond the world).
+
+    A size not dividing the world is accelerate's to build, and fails later in DeepSpeed's
+    engine, which this adapter does not run: its ``_init_tp_mesh_device`` raises IndexError on
+    the ranks its TP mesh leaves out (tests/real/test_accelerate.py runs that function to show
+    it). Stated here so the refusal carries DeepSpeed's type."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with framework_refusals():
         built = init_device_mesh(device, (autotp,), mesh_dim_names=("tp",))
     if world_size % autotp:
         raise FrameworkRejection(
-            f"autotp_size {autotp} does not divide the world {world_size}", upstream=None
+            f"autotp_size {autotp} does not divide the world {world_size}: DeepSpeed's "
+            "_init_tp_mesh_device leaves ranks out of its TP mesh (IndexError there)",
+            upstream="IndexError",
         )
     return built
 

@@ -32,6 +32,7 @@ from meshsim.builders._common import Entry, collect
 from meshsim.builders.real import _shims
 from meshsim.builders.real._adapter import check_keys, framework_refusals
 from meshsim.checks import Observation
+from meshsim.model.conventions import deepspeed_autoep
 
 _MODULES = (
     "deepspeed.module_inject.auto_ep_folding",
@@ -62,7 +63,7 @@ def folding_groups(
     """
     check_keys("deepspeed-autoep", config)
     folding, _, topology, bwc = _shims.load(*_MODULES)
-    sizes = {key: config.get(key, 1) for key in ("pp_size", "tp_size", "ep_size", "etp_size")}
+    sizes = deepspeed_autoep.engine_sizes(config)  # the engine's max(autotp_size, 1)
     with framework_refusals():
         spec = folding.build_folding_spec(
             world_size=world_size, **sizes, mp_mode=config.get("mp_mode", "tp")

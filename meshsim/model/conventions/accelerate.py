@@ -286,9 +286,14 @@ def _validate_autotp(world_size: int, cfg: Mapping[str, Any]) -> None:
             upstream="RuntimeError",
         )
     if autotp > 1 and world_size % autotp:
+        inside = world_size // autotp * autotp
         raise LayoutError(
-            f"autotp_size {autotp} does not divide the world {world_size}: DeepSpeed's AutoTP "
-            "mesh leaves ranks out (and the loader's process_index // autotp_size is uneven)"
+            f"autotp_size {autotp} does not divide the world {world_size}: accelerate builds "
+            f"its ('tp',) mesh, but DeepSpeed's engine (_init_tp_mesh_device) lays a "
+            f"({world_size // autotp}, {autotp}) ('data_parallel', 'tensor_parallel') mesh over "
+            f"ranks 0-{inside - 1}, and get_group raises IndexError on ranks {inside}-"
+            f"{world_size - 1}, outside it",
+            upstream="IndexError",
         )
 
 

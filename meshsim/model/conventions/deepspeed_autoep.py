@@ -73,7 +73,7 @@ def expect(world_size: int, **config: Any) -> Expected:
     ``(1, 5)``, ``(2, 6)``, ``(3, 7)``.
     """
     reject_unknown(FRAMEWORK, config, PARAMETERS)
-    sizes = {key: config.get(key, 1) for key in _CONFIG_PATH}
+    sizes = engine_sizes(config)
     mp_mode = config.get("mp_mode", "tp")
     stage = _build_folding_spec(world_size, **sizes)
     sizes = {key: int(value) for key, value in sizes.items()}  # True is 1 to DeepSpeed
@@ -110,6 +110,17 @@ def expect(world_size: int, **config: Any) -> Expected:
     return Expected(
         FRAMEWORK, world_size, normal, kinds, roles, layout=dense, meshes={"expert": expert}
     )
+
+
+def engine_sizes(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sizes the engine hands ``build_folding_spec``: each key's value (default 1), with
+    ``tp_size`` as ``max(autotp_size, 1)`` (``engine.py`` and ``validate_autoep_config`` both
+    clamp it: AutoTP's own default 0, or any size below 1, means no AutoTP)."""
+    sizes = {key: config.get(key, 1) for key in _CONFIG_PATH}
+    tp = sizes["tp_size"]
+    if isinstance(tp, int) and tp < 1:
+        sizes["tp_size"] = 1
+    return sizes
 
 
 def _tp_kind(dense: Layout, tp: int) -> Kind:
@@ -203,8 +214,8 @@ def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
     dividing the world, a ``tp_size`` or ``ep_size * etp_size`` not dividing a stage
     (``build_folding_spec``), and ``tp_size > 1`` with ``pp_size > 1``, any ``etp_size != 1``,
     ``tp_size > 1`` with ``ep_size == 1`` (``validate_folding_global``)."""
-    yield {"pp_size": 1, "tp_size": 0, "ep_size": 1}
     yield {"pp_size": 1, "tp_size": 1, "ep_size": -1}
+    yield {"pp_size": 0, "tp_size": 1, "ep_size": 1}
     yield {"pp_size": world_size + 1, "tp_size": 1, "ep_size": 1}
     yield {"pp_size": 1, "tp_size": world_size + 1, "ep_size": 2}
     yield {"pp_size": 1, "tp_size": 1, "ep_size": world_size + 1}
