@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshsim import torch_private
-from meshsim.builders._common import Entry, collect, mesh, reference_rules
+from meshsim.builders._common import Entry, collect, mesh, new_groups, reference_rules
 from meshsim.checks import Observation
 from meshsim.model.conventions import accelerate
 
@@ -53,6 +53,11 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     if kind == "DEEPSPEED" and autotp > 1:
         loader_mesh = mesh((autotp,), ("tp",))
         entries["ds:tp"] = loader_mesh if dist.get_rank() < autotp else None
+    if version == "1.15" and kind == "DEEPSPEED" and sizes["sp"] > 1:
+        # DeepSpeed's initialize_sequence_parallel: sp consecutive ranks, and the world.
+        sp = sizes["sp"]
+        entries["ds:sp"] = new_groups([range(i, i + sp) for i in range(0, world_size, sp)])
+        entries["ds:sp_dp"] = dist.group.WORLD
     dispatch = bool(config.get("dispatch_batches"))
     replica, peers = _loader_groups(world_size, kind, loader_mesh, dispatch)
     entries["dataloader_replica"] = replica

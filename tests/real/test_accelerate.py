@@ -174,3 +174,25 @@ def test_non_dividing_autotp_fails_in_deepspeeds_engine_as_the_reference_says() 
     got = list(run(_deepspeed_tp_groups, 8, backend="gloo", timeout=120, args=(3,)))
     assert got[:6] == [(0, 1, 2), (0, 1, 2), (0, 1, 2), (3, 4, 5), (3, 4, 5), (3, 4, 5)]
     assert got[6:] == ["IndexError", "IndexError"]
+
+
+@only_115
+@pytest.mark.requires_framework("deepspeed")
+@pytest.mark.parametrize("config", [{"sp_size": 2}, {"sp_size": 4}], ids=case_id)
+def test_115_deepspeed_ulysses_groups_are_deepspeeds(config: dict[str, Any]) -> None:
+    """``ds:sp`` / ``ds:sp_dp`` from DeepSpeed's own ``initialize_sequence_parallel``."""
+    pytest.importorskip("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    observed = assert_matches("accelerate", 4, here(config))
+    sp = config["sp_size"]
+    assert observed[1].groups["ds:sp"].members == tuple(range(sp))
+    assert observed[1].groups["ds:sp_dp"].members == (0, 1, 2, 3)
+
+
+@only_115
+@pytest.mark.requires_framework("deepspeed")
+@pytest.mark.parametrize("config", [{"sp_size": 3}, {"sp_size": 8}], ids=case_id)
+def test_115_deepspeed_refuses_an_ulysses_degree_the_world_cannot_take(
+    config: dict[str, Any],
+) -> None:
+    pytest.importorskip("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    assert "sequence_parallel_size" in assert_refused_alike("accelerate", 4, here(config))

@@ -87,6 +87,8 @@ UNCHECKED = [
     ("areal-fsdp", strategy(dp=4, pp=0, ep=2)),  # ParallelStrategy: world % 0
     ("areal-fsdp", strategy(dp=4, etp=0, ep=2)),
     ("areal-archon", {"dp_shard": 0}),
+    ("areal-archon", {"tp": -1, "cp": -1}),  # product 4: init_device_mesh (2.10 asserts)
+    ("areal-archon", {"pp": -1, "dp_shard": -4}),
 ]
 
 

@@ -66,6 +66,9 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     if kind == "DEEPSPEED" and autotp > 1:
         loader_mesh = _autotp_mesh(world_size, autotp, _shims.device_type())
         entries["ds:tp"] = loader_mesh if dist.get_rank() < autotp else None
+    sp = int(config.get("sp_size") or 1)
+    if kind == "DEEPSPEED" and sp > 1 and installed_version() == "1.15":
+        entries.update(_ulysses_groups(sp))
     dispatch = bool(config.get("dispatch_batches"))
     with _shims.unchanged_environ(), loader_state(world_size, kind):
         prepared = prepare_loader(world_size, loader_mesh, dispatch=dispatch)
@@ -193,6 +196,25 @@ def _autotp_mesh(world_size: int, autotp: int, device: str) -> Any:
             upstream="IndexError",
         )
     return built
+
+
+def _ulysses_groups(sp: int) -> dict[str, Entry]:
+    """DeepSpeed's ``parallel_state_sp.initialize_sequence_parallel(sp)``, which
+    ``_prepare_deepspeed`` reaches through ``UlyssesSPAttentionHF.register_with_transformers``
+    (that call also needs a transformers model; only its group construction runs here). Its
+    refusals come out as the framework's. The module's groups are dropped afterwards."""
+    (state,) = _shims.load("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    with _shims.deepspeed_comm():
+        state._release_sequence_parallel_groups()
+        try:
+            with framework_refusals():
+                state.initialize_sequence_parallel(sequence_parallel_size=sp)
+            return {
+                "ds:sp": state.get_sequence_parallel_group(),
+                "ds:sp_dp": state.get_sequence_data_parallel_group(),
+            }
+        finally:
+            state._release_sequence_parallel_groups()
 
 
 @contextlib.contextmanager

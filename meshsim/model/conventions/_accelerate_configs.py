@@ -84,7 +84,9 @@ def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
     with that ``upstream``): a size < 1, TP/CP with pure replication, CP with SP, CP without FSDP,
     FSDP with nothing to shard (1.15), DeepSpeed with a ParallelismConfig (1.10) (all
     ``ValueError``); a total size short of the world (``ValueError``), beyond it or an AutoTP size
-    beyond it (``RuntimeError``), an AutoTP size not dividing it (``IndexError`` from DeepSpeed's
+    beyond it (``RuntimeError``), a DeepSpeed Ulysses ``sp_size`` beyond it or not dividing
+    it (``RuntimeError``, from DeepSpeed's ``initialize_sequence_parallel``), an AutoTP size
+    not dividing it (``IndexError`` from DeepSpeed's
     engine on the ranks its TP mesh leaves out); ``sp_size`` in 1.10 (``TypeError``)."""
     n = world_size
     yield {"tp_size": 0}
@@ -102,5 +104,7 @@ def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
     yield {"autotp_size": 2 * n}
     if n > 3 and n % 3:
         yield {"autotp_size": 3}  # DeepSpeed's (n // 3, 3) TP mesh leaves ranks out
+        yield {"sp_size": 3}  # DeepSpeed's initialize_sequence_parallel: not divisible
+    yield {"sp_size": 2 * n}  # ... and beyond the world
     yield {"sp_size": 2, "version": "1.10"}
     yield {"cp_size": 2, "sp_size": 2}

@@ -112,6 +112,7 @@ def expect(world_size: int, **config: Any) -> Expected:
             lambda: Groups([tuple(range(ds_tp))]),
             partition=ds_tp == world_size,
         )
+    kinds.update(_ulysses_kinds(world_size, cfg))
     block = _loader_block(world_size, cfg, root, ds_tp)
     if not cfg["dispatch_batches"]:
         how = f"prepare_data_loader: process_index // {block}"
@@ -159,6 +160,7 @@ def check_config(world_size: int, cfg: Mapping[str, Any]) -> None:
         )
     _validate_accelerator(world_size, cfg, total)
     _validate_autotp(world_size, cfg)
+    _validate_ulysses(world_size, cfg)
 
 
 def _mesh_dims(cfg: Mapping[str, Any]) -> list[tuple[str, int]] | None:
@@ -274,6 +276,56 @@ def _validate_accelerator(world_size: int, cfg: Mapping[str, Any], total: int) -
             f"{' / '.join(allowed)} in accelerate {cfg['version']}, got DistributedType.{kind}",
             upstream="ValueError",
         )
+
+
+def ulysses_size(cfg: Mapping[str, Any]) -> int:
+    """The DeepSpeed ALST/Ulysses degree ``_prepare_deepspeed`` hands DeepSpeed's mpu (1.15,
+    DeepSpeed, ``sp_size > 1``); 1 where it builds no sequence-parallel groups."""
+    v115, deepspeed = cfg["version"] == "1.15", cfg["distributed_type"] == "DEEPSPEED"
+    return cfg["sp_size"] if v115 and deepspeed and cfg["sp_size"] > 1 else 1
+
+
+def _validate_ulysses(world_size: int, cfg: Mapping[str, Any]) -> None:
+    """DeepSpeed's ``initialize_sequence_parallel``, which ``register_with_transformers`` calls
+    from ``_prepare_deepspeed``: ParallelismConfig itself checks nothing of ``sp_size``."""
+    sp = ulysses_size(cfg)
+    if sp > world_size:
+        raise LayoutError(
+            f"world_size ({world_size}) is less than sequence_parallel_size {sp} "
+            "(DeepSpeed's initialize_sequence_parallel, from _prepare_deepspeed)",
+            upstream="RuntimeError",
+        )
+    if world_size % sp:
+        raise LayoutError(
+            f"world_size ({world_size}) is not divisible by sequence_parallel_size {sp} "
+            "(DeepSpeed's initialize_sequence_parallel, from _prepare_deepspeed)",
+            upstream="RuntimeError",
+        )
+
+
+def _ulysses_kinds(world_size: int, cfg: Mapping[str, Any]) -> dict[str, Kind]:
+    """DeepSpeed's Ulysses groups (``parallel_state_sp``): ``sp_size`` consecutive ranks, and
+    one sequence-data-parallel group of the whole world. The loader still splits batches over
+    every rank (``dataloader_replica``); ``UlyssesSPDataLoaderAdapter`` then all-gathers them
+    within ``ds:sp`` and hands each peer a sequence chunk of every peer's batch."""
+    sp = ulysses_size(cfg)
+    if sp == 1:
+        return {}
+    ulysses = Layout([("sp_dp", world_size // sp), ("sp", sp)])
+    return {
+        "ds:sp": layout_kind(
+            ulysses,
+            "ds:sp",
+            "parallel_state_sp.get_sequence_parallel_group(): sp_size consecutive ranks "
+            "(the mpu _prepare_deepspeed passes on; UlyssesSPDataLoaderAdapter's sp_group)",
+            "sp",
+        ),
+        "ds:sp_dp": Kind(
+            "ds:sp_dp",
+            "parallel_state_sp.get_sequence_data_parallel_group(): every rank (sp x dp)",
+            lambda: Groups([tuple(range(world_size))]),
+        ),
+    }
 
 
 def _validate_autotp(world_size: int, cfg: Mapping[str, Any]) -> None:
