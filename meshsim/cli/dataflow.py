@@ -11,7 +11,7 @@ from meshsim.errors import UsageError
 HELP = (
     "also train a tiny model the framework's way and prove the data loader splits over the "
     "data mesh and the wrapper reduces over the gradient mesh (threaded/gloo only; "
-    "olmo-core and torchtitan)"
+    "olmo-core, torchtitan, accelerate, transformers, lightning and verl)"
 )
 
 

@@ -231,7 +231,7 @@ def engine_roles(
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     """Every (dp, sp, tp) split of the world, then each valid EP degree for both ETP modes.
 
-    Only keys that differ from AReaL's default 1 are given. World 8 gives 39 configs.
+    Only keys that differ from AReaL's default 1 are given. World 8 gives 36 configs.
     """
     for dp, sp, tp in ordered_factorizations(world_size, 3):
         base = above_one(data_parallel_size=dp, context_parallel_size=sp, tensor_parallel_size=tp)

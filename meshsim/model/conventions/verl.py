@@ -297,7 +297,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     every (dp_shard, cp, tp, pp) split with dp_shard x cp > 1, and HSDP halves of each
     (``torchtitan=False`` drops those; so does a described torch release without
     ``_unflatten``, below 2.10, on which torchtitan 0.3.0's ParallelDims cannot build). World 8
-    gives 32 + 26."""
+    gives 32 + 19."""
     for strategy in ("fsdp", "fsdp2"):
         for fsdp_size in (-1, *divisors(world_size)[:-1]):
             for sp in divisors(world_size):
