@@ -22,7 +22,8 @@ process index by the ``tp`` x ``cp`` dim sizes (DeepSpeed: by ``tp`` only). ``da
 mesh has ``tp``). ``gradient_reduce`` is ``fsdp_mesh`` (FSDP2's ``mesh[fsdp_dim_names]``) or
 ``ddp`` (the world group); DeepSpeed reduces over its own groups (the deepspeed convention).
 DeepSpeed AutoTP adds ``ds:tp``, accelerate's ``("tp",)`` mesh on ranks ``0..autotp_size-1`` only,
-which the loader then divides by.
+which the loader then divides by; DeepSpeed Ulysses (1.15, ``sp_size > 1``) adds ``ds:sp`` and
+``ds:sp_dp``, the groups of DeepSpeed's ``parallel_state_sp`` that ``_prepare_deepspeed`` sets up.
 """
 
 from __future__ import annotations
