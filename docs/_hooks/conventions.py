@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
+from unittest import mock
 
 #: One representative config per convention, at world 8: the groups a reader sees first.
 #: A key missing here fails the docs build (and tests/docs), so a new convention gets one.
@@ -161,14 +162,7 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         return _MARKER.sub(lambda match: render(match.group(1)), markdown)
 
 
-@contextlib.contextmanager
-def newest_torch() -> Iterator[None]:
+def newest_torch() -> AbstractContextManager[Any]:
     """``MESHSIM_TORCH_RELEASE=newest`` while the block runs, unless it is set already."""
-    if "MESHSIM_TORCH_RELEASE" in os.environ:
-        yield
-        return
-    os.environ["MESHSIM_TORCH_RELEASE"] = "newest"
-    try:
-        yield
-    finally:
-        del os.environ["MESHSIM_TORCH_RELEASE"]
+    pin = {} if "MESHSIM_TORCH_RELEASE" in os.environ else {"MESHSIM_TORCH_RELEASE": "newest"}
+    return mock.patch.dict(os.environ, pin)

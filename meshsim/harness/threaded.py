@@ -210,9 +210,9 @@ class _Run:
         # raise, and what their handlers call then is the harness's doing, not the body's.
         self.table.closed = True
         seen: dict[int, tuple[str | None, str]] = {}
+        woken = torch_private.threaded_world_aborted()  # by a failed rank, before this stop
         for r in live:
             if r.outcome is None:
-                woken = torch_private.threaded_world_aborted()  # by a failed rank
                 call, where = r.sink.snapshot(self.job.world_size, woken=woken)
                 self.blocked[r.rank] = call
                 self.cut[r.rank] = len(r.sink.calls)

@@ -86,8 +86,8 @@ def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
     ``ValueError``); a total size short of the world (``ValueError``), beyond it or an AutoTP size
     beyond it (``RuntimeError``), a DeepSpeed Ulysses ``sp_size`` beyond it or not dividing
     it (``RuntimeError``, from DeepSpeed's ``initialize_sequence_parallel``), an AutoTP size
-    not dividing it (``IndexError`` from DeepSpeed's
-    engine on the ranks its TP mesh leaves out); ``sp_size`` in 1.10 (``TypeError``)."""
+    not dividing it (``IndexError`` from DeepSpeed's engine on the ranks its TP mesh leaves
+    out); ``sp_size`` in 1.10 (``TypeError``)."""
     n = world_size
     yield {"tp_size": 0}
     yield {"dp_shard_size": -1}

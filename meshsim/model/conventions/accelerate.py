@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from meshsim.errors import LayoutError
-from meshsim.model.conventions import _accelerate_configs, reject_unknown
+from meshsim.model.conventions import _accelerate_configs, check, reject_unknown
 from meshsim.model.conventions._accelerate_configs import refused_configs as refused_configs
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
@@ -290,18 +290,17 @@ def _validate_ulysses(world_size: int, cfg: Mapping[str, Any]) -> None:
     """DeepSpeed's ``initialize_sequence_parallel``, which ``register_with_transformers`` calls
     from ``_prepare_deepspeed``: ParallelismConfig itself checks nothing of ``sp_size``."""
     sp = ulysses_size(cfg)
-    if sp > world_size:
-        raise LayoutError(
-            f"world_size ({world_size}) is less than sequence_parallel_size {sp} "
-            "(DeepSpeed's initialize_sequence_parallel, from _prepare_deepspeed)",
-            upstream="RuntimeError",
-        )
-    if world_size % sp:
-        raise LayoutError(
-            f"world_size ({world_size}) is not divisible by sequence_parallel_size {sp} "
-            "(DeepSpeed's initialize_sequence_parallel, from _prepare_deepspeed)",
-            upstream="RuntimeError",
-        )
+    where = "(DeepSpeed's initialize_sequence_parallel, from _prepare_deepspeed)"
+    check(
+        sp <= world_size,
+        f"world_size ({world_size}) is less than sequence_parallel_size {sp} {where}",
+        "RuntimeError",
+    )
+    check(
+        world_size % sp == 0,
+        f"world_size ({world_size}) is not divisible by sequence_parallel_size {sp} {where}",
+        "RuntimeError",
+    )
 
 
 def _ulysses_kinds(world_size: int, cfg: Mapping[str, Any]) -> dict[str, Kind]:

@@ -128,12 +128,7 @@ def expect(world_size: int, **config: Any) -> Expected:
 
         kinds.append(Kind("amax", said["amax"], blocks))
     elif variant == "upstream":  # the getter asserts; the Habana line has none to ask
-        error = LayoutError(
-            "get_amax_reduction_group() asserts: use_fp8=False, so initialize_model_parallel "
-            "made no FP8 amax reduction group",
-            upstream="AssertionError",
-        )
-        kinds.append(Kind("amax", "get_amax_reduction_group() (not made: use_fp8=False)", error))
+        kinds.append(_not_made("amax", "get_amax_reduction_group()", "use_fp8"))
     normal = {
         "variant": variant,
         "tensor_model_parallel_size": tp,
@@ -271,13 +266,17 @@ def _gloo_twin(layout: Layout, variant: str, made: bool) -> list[Kind]:
         return [layout_kind(layout, "dp:gloo", description, "dp", backends=("gloo",))]
     if variant == "habana-2024":
         return []
+    return [_not_made("dp:gloo", "get_data_parallel_group_gloo()", "use_distributed_optimizer")]
+
+
+def _not_made(name: str, getter: str, flag: str) -> Kind:
+    """A kind ``initialize_model_parallel`` makes only under ``flag``: without it upstream's
+    getter asserts (its group is still None)."""
     error = LayoutError(
-        "get_data_parallel_group_gloo() asserts: use_distributed_optimizer=False, so "
-        "initialize_model_parallel made no gloo group",
+        f"{getter} asserts: {flag}=False, so initialize_model_parallel made no such group",
         upstream="AssertionError",
     )
-    description = "get_data_parallel_group_gloo() (not made: use_distributed_optimizer=False)"
-    return [Kind("dp:gloo", description, error)]
+    return Kind(name, f"{getter} (not made: {flag}=False)", error)
 
 
 def _embedding_kinds(
