@@ -154,8 +154,8 @@ def distributed_fixture(
     may take ``rank`` and ``world_size``. Process groups do not outlive the run: return plain
     data (paths, tensors, numbers).
 
-    Example::
-
+    Example:
+        ```python
         @distributed_fixture(world_size=4)
         def shards(rank, world_size):
             ...  # write this rank's shard
@@ -164,6 +164,7 @@ def distributed_fixture(
         @pytest.mark.meshsim(world_size=4)
         def test_load(rank, shards):  # each rank gets its own shard's path
             ...
+        ```
     """
 
     def decorate(body: Callable[..., Any]) -> Any:

@@ -37,12 +37,38 @@ MAX_REFUSALS = 12
 _MARKER = re.compile(r"<!--\s*generated:\s*convention\s+(\S+)\s*-->")
 
 
+#: Characters Markdown would read as syntax in a table cell's text: emphasis (``*fsdp*``,
+#: ``_get_x('ep_size_<n>')``), links, the cell separator, a lone backtick, and the braces
+#: attr_list takes as the cell's attributes (a trailing ``{'tensor': 'tp'}`` vanished into
+#: them). Each is backslash-escaped; ``<`` and ``&`` become entities.
+_MARKDOWN_SYNTAX = re.compile(r"([\\`*_{}\[\]|])")
+#: A code span the text already has (upstream messages quote names in backticks): kept.
+_CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)")
+
+
 def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """``text`` as literal table-cell text on one line: its code spans stay code, and
+    everything else that Markdown would read as syntax is escaped."""
+    one_line = " ".join(str(text).splitlines())
+    parts, start = [], 0
+    for span in _CODE_SPAN.finditer(one_line):
+        parts += [_literal(one_line[start : span.start()]), span.group(0)]
+        start = span.end()
+    return "".join([*parts, _literal(one_line[start:])])
+
+
+def _literal(text: str) -> str:
+    escaped = _MARKDOWN_SYNTAX.sub(r"\\\1", text)
+    return escaped.replace("&", "&amp;").replace("<", "&lt;")
 
 
 def _code(text: object) -> str:
-    return f"`{_cell(text)}`"
+    """``text`` as a code span in a table cell (backslashes are literal there; the table
+    extension keeps a ``|`` inside backticks in its cell)."""
+    one_line = " ".join(str(text).splitlines())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", one_line)), default=0) + 1)
+    pad = " " if one_line.startswith("`") or one_line.endswith("`") else ""
+    return f"{fence}{pad}{one_line}{pad}{fence}"
 
 
 def _config(config: Mapping[str, Any]) -> str:
@@ -84,7 +110,7 @@ def kinds_table(framework: str) -> str:
         "|---|---|--:|---|---|",
     ]
     for name in primary:
-        role = ", ".join(roles_of.get(name, []))
+        role = _cell(", ".join(roles_of.get(name, [])))
         if name in available:
             groups = exp.groups(name)
             lines.append(

@@ -8,10 +8,15 @@ group must hold; a builder builds the groups the way the framework does, with to
 reference's groups: a builder that replayed them could never disagree.
 
 This module stays torch-free; builder modules import torch and are loaded on first use, inside
-a rank. Example (inside a rank of ``meshsim.harness.run``)::
+a rank.
 
+Example:
+    Inside a rank of ``meshsim.harness.run``:
+
+    ```python
     obs = build("megatron", 8, {"tensor_model_parallel_size": 2})
     obs.groups["tp"].members  # (0, 1) on ranks 0 and 1
+    ```
 """
 
 from __future__ import annotations

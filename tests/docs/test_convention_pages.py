@@ -4,6 +4,7 @@ renders from the code (a convention without a representative config fails here f
 from __future__ import annotations
 
 import importlib.util
+from html import escape as html_escape
 from pathlib import Path
 from types import ModuleType
 
@@ -43,3 +44,21 @@ def test_every_convention_has_a_generated_page(framework: str) -> None:
 def test_no_page_for_a_convention_that_is_gone() -> None:
     pages = {p.stem for p in (DOCS / "conventions").glob("*.md")} - {"index"}
     assert pages == set(meshsim.CONVENTIONS)
+
+
+def test_a_cell_shows_its_text_as_written() -> None:
+    # A trailing {...} was taken by attr_list as the cell's attributes (torch's `roles` row
+    # lost its example), and *x* / _x_ turned into emphasis; code spans stay code.
+    text = "e.g. {'tensor': 'tp'} (a*b*c) _f_('x_<n>') [1] a|b & `dp_shard`\nnext"
+    assert HOOK._cell(text) == (
+        r"e.g. \{'tensor': 'tp'\} (a\*b\*c) \_f\_('x\_&lt;n>') \[1\] a\|b &amp; `dp_shard` next"
+    )
+
+
+def test_every_config_key_description_renders_verbatim() -> None:
+    markdown = pytest.importorskip("markdown")  # installed by the docs extra
+    convert = markdown.Markdown(extensions=["attr_list", "tables"]).convert
+    for framework in meshsim.CONVENTIONS:
+        html = convert(HOOK.parameters_table(framework))
+        for description in convention(framework).PARAMETERS.values():
+            assert f"<td>{html_escape(description, quote=False)}</td>" in html, framework
