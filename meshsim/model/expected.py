@@ -131,12 +131,13 @@ class Expected:
     ``groups`` takes a kind (``"dp-cp"``, ``"get_dp_model_mesh"``, ``"data"``) or a role
     (``"gradient_reduce"``); a kind wins when a name is both.
 
-    Example::
-
+    Example:
+        ```python
         exp = meshsim.expect("megatron", world_size=16, tensor_model_parallel_size=2,
                              pipeline_model_parallel_size=4)
         exp.groups("dp")[0] == (0, 2)
         exp.kind_of("tensor") == "tp"
+        ```
     """
 
     __slots__ = (
