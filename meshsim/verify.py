@@ -63,6 +63,9 @@ class VerifyResult:
     #: Kinds of the reference that were not compared, each with why (the builder or the
     #: framework's code does not hand that group out); empty when every kind was checked.
     skipped: Mapping[str, str] = field(default_factory=dict)
+    #: What the ranks printed while this case was built, where the caller captured it
+    #: (``meshsim sweep`` does, and shows it only for a failing layout); "" otherwise.
+    output: str = field(default="", repr=False, compare=False)
 
     @property
     def tier_limits(self) -> tuple[str, ...]:
@@ -96,6 +99,9 @@ class BuildFailure:
     error_type: str
     message: str
     upstream: str | None
+    #: The torch.distributed call the error came out of (``new_group for group (0,1)``), when
+    #: the harness recorded it: a framework's refusal then names its group call.
+    call: str | None = None
 
     @property
     def mirrored(self) -> bool:
@@ -129,10 +135,56 @@ def build_on_rank(
             world_size, dict(config)
         )
     except Exception as error:  # reported, compared with the reference's verdict
-        built = BuildFailure(
-            int(dist.get_rank()), type(error).__name__, str(error), getattr(error, "upstream", None)
-        )
+        built = build_failure(int(dist.get_rank()), error)
     return built, time.perf_counter() - start
+
+
+def build_failure(rank: int, error: BaseException) -> BuildFailure:
+    """``error`` as a :class:`BuildFailure`, naming the group call it came out of when the
+    harness recorded one (call inside the rank, in the ``except`` that caught it)."""
+    from meshsim.harness import recorder
+
+    sink = recorder._current_sink()
+    call = sink.call_behind(error) if sink is not None else None
+    return BuildFailure(
+        rank,
+        type(error).__name__,
+        str(error),
+        getattr(error, "upstream", None),
+        call.describe() if call is not None else None,
+    )
+
+
+def failure_text(failures: Sequence[BuildFailure]) -> str:
+    """``TypeError in new_group for group () on ranks 0-3: torch could not construct ...``:
+    the first failure, the group call it came out of and every rank that raised the same."""
+    from meshsim.checks.diff import format_ranks
+
+    first = failures[0]
+    same = sorted(
+        {f.rank for f in failures if (f.error_type, f.call) == (first.error_type, first.call)}
+    )
+    where = f" in {first.call}" if first.call else ""
+    return f"{first.error_type}{where} on {format_ranks(same)}: {_short(first.message)}"
+
+
+def _short(message: str) -> str:
+    """One line of an error message. torch's pybind refusal to construct a ProcessGroup
+    (several lines listing constructor overloads) becomes what it was invoked with."""
+    import re
+
+    if "incompatible constructor arguments" in message:
+        invoked = re.search(r"Invoked with: (.*)", message)
+        args = (
+            re.sub(r"<[^>]*Store object at 0x[0-9a-f]+>", "store", invoked.group(1))
+            if invoked
+            else "?"
+        )
+        return f"torch could not construct the ProcessGroup (invoked with {args.strip()})"
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    return lines[0].strip() + (" ..." if len(lines) > 1 else "")
 
 
 def _build_batch(cases: Sequence[tuple[str, int, Mapping[str, Any], bool]]) -> list[Built]:
@@ -271,13 +323,11 @@ def _judge(
             who = sorted(f.rank for f in failures)
             return done(rejected=f"{verdicts[0]['rejected']} (on ranks {who}; the others built)")
     if failures and observations:
-        who = sorted(f.rank for f in failures)
         return done(
-            error=f"ranks disagree: ranks {who} raised {failures[0].error_type}: "
-            f"{failures[0].message}; the others built their groups"
+            error=f"ranks disagree: {failure_text(failures)}; the others built their groups"
         )
     if failures:
-        return done(**_judge_failure(failures[0], reference))
+        return done(**_judge_failure(failures, reference))
     if isinstance(reference, LayoutError):
         return done(
             error=f"the reference rejects this config ({_upstream(reference)}: "
@@ -301,16 +351,16 @@ def _judge(
     )
 
 
-def _judge_failure(failure: BuildFailure, reference: Expected | LayoutError) -> dict[str, Any]:
-    said = f"{failure.error_type}: {failure.message}"
+def _judge_failure(
+    failures: Sequence[BuildFailure], reference: Expected | LayoutError
+) -> dict[str, Any]:
+    failure = failures[0]
+    said = failure_text(failures)
     if failure.error_type in ("ModuleNotFoundError", "ImportError"):
         return {"error": f"the builder could not import what it needs ({said})"}
     if not isinstance(reference, LayoutError):
-        return {
-            "error": f"the builder raised {said} on rank {failure.rank}, but the reference "
-            "accepts this config"
-        }
-    if not failure.mirrored:
+        return {"error": f"the builder raised {said}, but the reference accepts this config"}
+    if not failure.mirrored and failure.error_type != reference.upstream:
         return {
             "error": f"the builder crashed with {said} (a builder bug) on a config the "
             f"reference rejects: {reference}"
@@ -319,7 +369,7 @@ def _judge_failure(failure: BuildFailure, reference: Expected | LayoutError) -> 
     if ours and theirs and ours != theirs:
         return {
             "error": f"both reject the config, but the reference says the framework raises "
-            f"{theirs} ({reference}) while the builder raised {ours} ({failure.message})"
+            f"{theirs} ({reference}) while the builder raised {ours} ({said})"
         }
     return {"rejected": f"{_upstream(reference)}: {reference}"}
 

@@ -83,17 +83,28 @@ class Mismatch:
     observed: Group | None
     detail: str = ""
 
+    @property
+    def wrong_group(self) -> bool:
+        """True when these ranks hold another group than the reference's (or none, or one
+        where the framework refuses the kind): what a headline and the wrong-group count name.
+        A disagreement counts when the rank's own claim is wrong, not when only a peer's is."""
+        if self.aspect in ("members", "missing", "unexpected"):
+            return True
+        return self.aspect == "disagreement" and self.observed != self.expected
+
     def __str__(self) -> str:
         who = format_ranks(self.ranks)
         one = len(self.ranks) == 1
+        holds = "holds" if one else "hold"
         if self.aspect == "members":
-            holds = "holds" if one else "hold"
             return (
                 f"{self.kind}: {who} {holds} {_fmt(self.observed)}; expected {_fmt(self.expected)}"
             )
         if self.aspect == "missing":
             has = "has" if one else "have"
             return f"{self.kind}: {who} {has} no group of this name; expected {_fmt(self.expected)}"
+        if self.aspect == "unexpected":
+            return f"{self.kind}: {who} {holds} {_fmt(self.observed)}; expected none, {self.detail}"
         return f"{self.kind}: {who}: {self.detail}"
 
 
@@ -150,24 +161,33 @@ class MeshDiff:
         return MeshDiff(self.expected, mismatches, checked)
 
     def finding(self) -> str:
-        """The first difference in one line, for the first line of a failure report (pytest's
-        short summary, a JUnit message): ``tp groups differ: expected [(0, 1), (2, 3), ... 2
-        more] observed [(0, 4), (1, 5), ... 2 more] on ranks 0-7``."""
-        kind = self.kinds()[0]
-        found = [m for m in self.mismatches if m.kind == kind]
-        wrong = [m for m in found if m.aspect in ("members", "missing")]
-        if wrong:
+        """The first difference in one sentence, for the first line of a failure report
+        (pytest's short summary, a JUnit message): ``tp groups differ: expected [(0, 1), (2,
+        3), ... 2 more] observed [(0, 4), (1, 5), ... 2 more] on ranks 0-7``.
+
+        It leads with the wrong groups themselves: the first kind (in check order) where some
+        rank holds another group than the reference's, counting every such rank (a rank whose
+        group its peers disagree with included). Only when no kind has a wrong group does it
+        name a symptom (local ranks, backends, a failed all-gather proof)."""
+        kinds = self.kinds()
+        wrong_kinds = [k for k in kinds if any(m.wrong_group for m in self._of(k))]
+        if wrong_kinds:
+            kind = wrong_kinds[0]
+            wrong = [m for m in self._of(kind) if m.wrong_group]
             who = sorted({r for m in wrong for r in m.ranks})
             return (
-                f"{kind} groups differ: expected {_groups_text([m.expected for m in wrong], 2)} "
-                f"observed {_groups_text([m.observed for m in wrong], 2)} on {format_ranks(who)}"
+                f"{kind} groups differ: expected {_expected_text(wrong, 2)} "
+                f"observed {_observed_text(wrong, 2)} on {format_ranks(who)}"
             )
+        kind = kinds[0]
+        found = self._of(kind)
         first = found[0]
-        if first.aspect == "disagreement":
-            return first.detail
         who = sorted({r for m in found if m.aspect == first.aspect for r in m.ranks})
         what = _ASPECT_HEADS.get(first.aspect, first.aspect)
         return f"{kind} {what} on {format_ranks(who)}: {first.detail}"
+
+    def _of(self, kind: str) -> list[Mismatch]:
+        return [m for m in self.mismatches if m.kind == kind]
 
     def kind_summary(self, kind: str) -> str:
         """One line for ``kind``: ranks in the wrong group, expected vs observed groups."""
@@ -178,15 +198,14 @@ class MeshDiff:
         if len(found) == 1:
             return [str(found[0])]
         out: list[str] = []
-        wrong = [m for m in found if m.aspect in ("members", "missing")]
+        wrong = [m for m in found if m.wrong_group]
         if wrong:
             who = sorted({r for m in wrong for r in m.ranks})
             out.append(
                 f"{kind}: {_count(who)} in the wrong group ({format_ranks(who)}); expected "
-                f"{_groups_text([m.expected for m in wrong], limit)}; observed "
-                f"{_groups_text([m.observed for m in wrong], limit)}"
+                f"{_expected_text(wrong, limit)}; observed {_observed_text(wrong, limit)}"
             )
-        for aspect in ("disagreement", "local_rank", "backend", "proof", "unexpected"):
+        for aspect in ("disagreement", "local_rank", "backend", "proof"):
             some = [m for m in found if m.aspect == aspect]
             if some:
                 who = sorted({r for m in some for r in m.ranks})
@@ -205,7 +224,6 @@ _ASPECT_HEADS = {
     "local_rank": "local ranks differ",
     "backend": "backend differs",
     "proof": "failed its all-gather proof",
-    "unexpected": "exists although the framework raises",
 }
 
 
@@ -215,11 +233,29 @@ def _count(ranks: Sequence[int]) -> str:
 
 def _groups_text(groups: Sequence[Group | None], limit: int) -> str:
     real = sorted({g for g in groups if g is not None})
-    none = any(g is None for g in groups)
-    if not real:
-        return "no group"
-    text = format_groups(real, limit)
-    return text + (" and no group on some ranks" if none else "")
+    return format_groups(real, limit) if real else "no group"
+
+
+def _side(pairs: Sequence[tuple[Group | None, Sequence[int]]], limit: int) -> str:
+    """Groups one side names, and the ranks where that side names none, in one phrase:
+    ``[(0, 1)] (no group on ranks 2, 3)``."""
+    text = _groups_text([g for g, _ in pairs], limit)
+    empty = sorted({r for g, ranks in pairs if g is None for r in ranks})
+    if empty and text != "no group":
+        text += f" (no group on {format_ranks(empty)})"
+    return text
+
+
+def _expected_text(wrong: Sequence[Mismatch], limit: int) -> str:
+    """What the reference expects of the wrong ranks; where it expects a refusal, says so."""
+    refused = [m for m in wrong if m.aspect == "unexpected"]
+    if refused:
+        return f"no group ({refused[0].detail})"
+    return _side([(m.expected, m.ranks) for m in wrong], limit)
+
+
+def _observed_text(wrong: Sequence[Mismatch], limit: int) -> str:
+    return _side([(m.observed, m.ranks) for m in wrong], limit)
 
 
 def format_ranks(ranks: Sequence[int]) -> str:
@@ -250,6 +286,13 @@ def _kinds_to_check(
             "observed groups after the kinds"
         )
     return chosen
+
+
+def _refusal(framework: str, name: str, ref: Kind) -> str:
+    """Why the reference expects no group of ``name``: the framework refuses to build it."""
+    error = ref.source
+    raised = getattr(error, "upstream", None) or "an error"
+    return f"the reference says {framework} refuses {name}: {raised}: {error}"
 
 
 def _backend_finding(ref: Kind, view: GroupView, world_backend: str) -> str:
@@ -305,7 +348,7 @@ def diff(
                         obs.rank,
                         None,
                         view.members,
-                        f"hold {_fmt(view.members)} but {expected.framework} raises: {ref.source}",
+                        _refusal(expected.framework, name, ref),
                     )
                 continue
             want = ref.group_of(obs.rank)

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from meshsim.cli import render
+from meshsim.cli.captured import captured, tail
 from meshsim.cli.commands import findings_json, result_json
 from meshsim.errors import LayoutError, UsageError
 from meshsim.model.conventions import CONVENTIONS
@@ -71,6 +72,10 @@ class Outcome:
         for tier, r in self.results.items():
             if not r.passed:
                 lines.append(f"[{tier}] " + (str(r.diff) if r.diff is not None else str(r.error)))
+                printed = getattr(r, "output", "")
+                if printed.strip():
+                    lines.append(f"[{tier}] what the framework printed while building it:")
+                    lines.append(tail(printed))
         return "\n".join(lines)
 
 
@@ -255,9 +260,15 @@ class _Progress:
         self.tasks: dict[str, Any] = {}
         self.counts: dict[str, list[int]] = {}
         self.last = 0.0
+        self.own_file: Any = None
 
     def __enter__(self) -> _Progress:
         if self.live:
+            # The bar redraws from its own thread, also while a step's output is captured
+            # (descriptors 1 and 2 redirected, see meshsim.cli.captured): it draws on its own
+            # copy of the terminal's descriptor, so it neither vanishes nor lands in a report.
+            self.console.file = os.fdopen(os.dup(self.console.file.fileno()), "w", buffering=1)
+            self.own_file = self.console.file
             columns = (
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -271,6 +282,8 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
+        if self.own_file is not None:
+            self.own_file.close()
 
     def start(self, tier: str, total: int) -> None:
         self.counts[tier] = [0, 0, total]
@@ -315,7 +328,8 @@ def results(
     from meshsim.verify import FAKE_BATCH, verify_many
 
     if jobs <= 1 or tier not in PARALLEL_TIERS or len(cases) <= FAKE_BATCH:
-        yield from enumerate(verify_many(cases, tier, timeout=timeout, real=real))
+        found = verify_many(cases, tier, timeout=timeout, real=real)
+        yield from enumerate(captured(found, _batch(tier)))
         return
     chunks = [(i, list(cases[i : i + FAKE_BATCH])) for i in range(0, len(cases), FAKE_BATCH)]
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch state
@@ -335,7 +349,15 @@ def verify_chunk(
     """Run in a sweep worker process: verify a chunk of cases on one tier."""
     from meshsim.verify import verify_many
 
-    return list(verify_many(cases, tier, timeout=timeout, real=real))
+    return list(captured(verify_many(cases, tier, timeout=timeout, real=real), _batch(tier)))
+
+
+def _batch(tier: str) -> int:
+    """How many consecutive cases one run builds on ``tier`` (``verify_many``'s fake batches;
+    a sweep has one world size, so they are aligned blocks), 0 when each case runs alone."""
+    from meshsim.verify import FAKE_BATCH
+
+    return FAKE_BATCH if tier == "fake" else 0
 
 
 def real_cases(cases: Sequence[LayoutCase], out: Any) -> list[LayoutCase]:

@@ -18,12 +18,13 @@ import inspect
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from meshsim import torch_private
 from meshsim.harness.outcome import format_group
 from meshsim.harness.peer import peer_ops
+from meshsim.harness.sites import Site, call_site, format_site
 
 # c10d entry points that are collective over their group.
 COLLECTIVES = (
@@ -104,7 +105,9 @@ class Call:
     (``None`` where sizes may legitimately differ: uneven all_to_all, ``*_object``). ``ops``:
     for a point-to-point call, its messages (one, or one per op of ``batch_isend_irecv``).
     ``async_op``: the call returns a work or tensor to wait on later, so the rank is not
-    blocked inside it (not compared between ranks).
+    blocked inside it (not compared between ranks). ``site``: the (file, line) of the user's
+    code that made the call (``meshsim.harness.sites``), what reports name instead of a step
+    number; not compared between ranks (ranks may reach one collective from different lines).
     """
 
     kind: str
@@ -115,6 +118,7 @@ class Call:
     meta: str | None = None
     ops: tuple[Any, ...] = ()
     async_op: bool = False  # returns before its peers arrive (async_op=True, functional)
+    site: Site | None = field(default=None, compare=False)
 
     def describe(self, world_size: int | None = None) -> str:
         where = format_group(self.group, world_size)
@@ -128,6 +132,10 @@ class Call:
     def signature(self, world_size: int | None = None) -> str:
         """``describe`` plus the shape/dtype compared between ranks (divergence messages)."""
         return self.describe(world_size) + (f" with {self.meta}" if self.meta else "")
+
+    def where(self) -> str | None:
+        """``tests/test_x.py:12``: the user's line that made the call, when it is known."""
+        return None if self.site is None else format_site(self.site)
 
 
 class Sink(Protocol):
@@ -181,14 +189,16 @@ def group_ranks(group: Any) -> tuple[int, ...] | None:
     return tuple(c10d.get_process_group_ranks(group))
 
 
-def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> Call:
+def _describe(
+    kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: dict, site: Site | None
+) -> Call:
     try:
         bound = sig.bind_partial(*args, **kwargs).arguments
     except TypeError:
         bound = {}
     try:
         if kind == "create":
-            return _describe_creation(op, bound)
+            return _describe_creation(op, bound, site)
         group = group_ranks(bound.get("group"))
         detail = None
         messages: tuple[Any, ...] = ()
@@ -211,9 +221,9 @@ def _describe(kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: d
                 detail += f" rank {peer}"
         meta = _tensor_meta(bound.get(SHAPED[op])) if op in SHAPED else None
         async_op = op.endswith("(functional)") or bool(bound.get("async_op", False))
-        return Call(kind, op, group, detail, meta=meta, ops=messages, async_op=async_op)
+        return Call(kind, op, group, detail, meta=meta, ops=messages, async_op=async_op, site=site)
     except Exception as exc:  # describing must never break the call itself
-        return Call(kind, op, None, f"group unknown: {type(exc).__name__}")
+        return Call(kind, op, None, f"group unknown: {type(exc).__name__}", site=site)
 
 
 def _tensor_meta(tensor: Any) -> str | None:
@@ -223,7 +233,7 @@ def _tensor_meta(tensor: Any) -> str | None:
     return f"shape {tuple(shape)} {str(getattr(tensor, 'dtype', '')).replace('torch.', '')}"
 
 
-def _describe_creation(op: str, bound: dict) -> Call:
+def _describe_creation(op: str, bound: dict, site: Site | None = None) -> Call:
     desc = bound.get("group_desc")
     if op == "split_group":
         parent = group_ranks(bound.get("parent_pg"))
@@ -231,11 +241,11 @@ def _describe_creation(op: str, bound: dict) -> Call:
         detail = f"into {[tuple(s) for s in split][:4]}{'...' if len(split) > 4 else ''}"
         if desc:
             detail += f", desc={desc!r}"
-        return Call("create", op, parent, detail)
+        return Call("create", op, parent, detail, site=site)
     ranks = bound.get("ranks")
     group = None if ranks is None else tuple(sorted(int(r) for r in ranks))
     local = bool(bound.get("use_local_synchronization", False))
-    return Call("create", op, group, f"desc={desc!r}" if desc else None, local)
+    return Call("create", op, group, f"desc={desc!r}" if desc else None, local, site=site)
 
 
 # ---------------------------------------------------------------------------- wrapping
@@ -249,7 +259,7 @@ def _wrap(kind: str, op: str, original: Callable[..., Any]) -> Callable[..., Any
         sink = _current_sink()
         if sink is None or getattr(_tls, "depth", False):
             return original(*args, **kwargs)
-        call = _describe(kind, op, sig, args, kwargs)
+        call = _describe(kind, op, sig, args, kwargs, call_site(sys._getframe(1)))
         _tls.depth = 1
         try:
             sink.enter(call)
@@ -334,6 +344,9 @@ class TrackingSink:
         self.current: Call | None = None
         self.last: Call | None = None
         self.raised_in: Call | None = None
+        #: ``id`` of the exception ``raised_in`` raised (no reference kept: its traceback
+        #: holds frames), so a caller holding an exception can ask whether it came out of it.
+        self.raised_id: int | None = None
         self.count = 0
 
     def enter(self, call: Call) -> None:
@@ -343,6 +356,7 @@ class TrackingSink:
     def exit(self, call: Call, error: BaseException | None = None) -> None:
         # ``raised_in`` before ``current``: a reader that finds no call in progress then
         # finds the one just raised out of (``snapshot`` reads in the other order).
+        self.raised_id = id(error) if error is not None else None
         self.raised_in = call if error is not None else None
         self.last = call
         self.current = None
@@ -354,6 +368,18 @@ class TrackingSink:
     def raised_where(self, world_size: int | None = None) -> str | None:
         """The call the last exception came out of, if it came out of one."""
         return _numbered(self.raised_in, self.count, world_size)
+
+    def call_behind(self, error: BaseException) -> Call | None:
+        """The recorded call ``error`` (or an exception it was raised from) came out of, or
+        None: a framework that catches torch's error and raises its own is still traced."""
+        seen: set[int] = set()
+        link: BaseException | None = error
+        while link is not None and id(link) not in seen:
+            if self.raised_in is not None and id(link) == self.raised_id:
+                return self.raised_in
+            seen.add(id(link))
+            link = link.__cause__ or link.__context__
+        return None
 
     def snapshot(
         self, world_size: int | None = None, woken: bool = False
