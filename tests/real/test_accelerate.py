@@ -196,3 +196,17 @@ def test_115_deepspeed_refuses_an_ulysses_degree_the_world_cannot_take(
 ) -> None:
     pytest.importorskip("deepspeed.runtime.sequence_parallel.parallel_state_sp")
     assert "sequence_parallel_size" in assert_refused_alike("accelerate", 4, here(config))
+
+
+@only_115
+def test_115_backend_keys_change_nothing_and_others_are_refused_alike() -> None:
+    """``cp_backend`` / ``sp_backend`` accept one value each (their defaults): the groups and
+    the loader are those of the sizes alone; any other value is ``__post_init__``'s ValueError."""
+    sizes = {"dp_shard_size": 2, "cp_size": 2}
+    named = assert_matches(
+        "accelerate", 4, here({**sizes, "cp_backend": "torch", "sp_backend": "deepspeed"})
+    )
+    plain = assert_matches("accelerate", 4, here(sizes))
+    assert [o.groups for o in named] == [o.groups for o in plain]
+    for bad in ({"cp_backend": "ring"}, {"sp_backend": "megatron"}):
+        assert "must be one of" in assert_refused_alike("accelerate", 4, here({**sizes, **bad}))

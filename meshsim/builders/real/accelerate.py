@@ -89,7 +89,8 @@ def device_mesh(world_size: int, config: Mapping[str, Any]) -> tuple[str, Any, A
     _check_version(config)
     pc_module, utils = _shims.load("accelerate.parallelism_config", "accelerate.utils")
     kind = _distributed_type(config)
-    sizes = {k: config[k] for k in SIZE_KEYS if config.get(k) is not None}
+    keys = (*SIZE_KEYS, "cp_backend", "sp_backend")
+    sizes = {k: config[k] for k in keys if config.get(k) is not None}
     with _shims.unchanged_environ():
         with framework_refusals():
             pc = pc_module.ParallelismConfig(**sizes)

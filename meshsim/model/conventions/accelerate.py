@@ -45,6 +45,10 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "tp_size": "ParallelismConfig.tp_size (None: 1)",
     "cp_size": "ParallelismConfig.cp_size (None: 1)",
     "sp_size": "ParallelismConfig.sp_size, DeepSpeed ALST/Ulysses (1.15 only; None: 1)",
+    "cp_backend": "ParallelismConfig.cp_backend (1.15 only; None: 'torch', the one backend "
+    "accepted; groups and loaders are the same)",
+    "sp_backend": "ParallelismConfig.sp_backend (1.15 only; None: 'deepspeed', the one backend "
+    "accepted: with sp_size > 1 it is why build_device_mesh builds no mesh)",
     "version": "accelerate release modelled: '1.15' (default) or '1.10'",
     "distributed_type": "Accelerator's DistributedType: 'FSDP' (FSDP2 plugin), 'MULTI_GPU' (DDP) "
     "or 'DEEPSPEED' (None: FSDP when dp_shard/cp > 1, DEEPSPEED when sp/autotp > 1, "
@@ -72,6 +76,8 @@ FLATTENS: Final[Mapping[str, tuple[str, ...]]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 _SIZES: Final = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+#: ``__post_init__``'s one accepted value of each backend key (its default).
+BACKENDS: Final[Mapping[str, str]] = {"cp_backend": "torch", "sp_backend": "deepspeed"}
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
@@ -187,12 +193,13 @@ def normalize(config: Mapping[str, Any]) -> dict[str, Any]:
     ``sp_size`` in 1.10, ``autotp_size`` outside DeepSpeed). No check against the world."""
     cfg = {key: config.get(key) for key in PARAMETERS}
     cfg["version"] = version_of(config)
-    if cfg["version"] == "1.10" and cfg["sp_size"] is not None:
-        raise LayoutError(
-            "accelerate 1.10's ParallelismConfig.__init__() got an unexpected keyword argument "
-            "'sp_size' (sequence parallelism came in a later release)",
-            upstream="TypeError",
-        )
+    for key in ("sp_size", *BACKENDS):
+        if cfg["version"] == "1.10" and cfg[key] is not None:
+            raise LayoutError(
+                f"accelerate 1.10's ParallelismConfig.__init__() got an unexpected keyword "
+                f"argument '{key}' (it came in a later release)",
+                upstream="TypeError",
+            )
     for key in (*_SIZES, "autotp_size"):
         value = cfg[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -227,6 +234,12 @@ def _validate_config(cfg: Mapping[str, Any]) -> None:
         if cfg[key] < 1:
             raise LayoutError(
                 f"{key} must be at least 1, but got {cfg[key]}", upstream="ValueError"
+            )
+        backend = {"cp_size": "cp_backend", "sp_size": "sp_backend"}.get(key)
+        if backend and cfg[backend] not in (None, BACKENDS[backend]):
+            raise LayoutError(
+                f"{backend} must be one of [{BACKENDS[backend]!r}], but got {cfg[backend]}",
+                upstream="ValueError",
             )
     if cfg["cp_size"] > 1 and cfg["sp_size"] > 1:
         raise LayoutError(
