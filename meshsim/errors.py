@@ -113,7 +113,11 @@ class RankTimeout(MeshsimError, TimeoutError):
     ``stacks`` maps rank -> that rank's Python stack when the deadline hit, ``collectives``
     maps rank -> the collective it was blocked in (``None`` if none), ``survivors`` lists
     threaded-tier ranks whose threads could not be stopped (they stay parked as daemon
-    threads; see ``meshsim.harness.threaded``).
+    threads; see ``meshsim.harness.threaded``). ``finding`` is who waits for whom, the
+    message's first line up to the run's summary (``ranks 0, 2 wait in all_gather on the
+    world at test_x.py:12 for rank 1; rank 1 is outside any collective at test_x.py:9
+    (time.sleep(1))``), the same on every tier; ``waits`` maps each waiting rank -> the
+    ranks it waits for (both ``None`` when the recordings were not available).
     """
 
     def __init__(
@@ -124,12 +128,16 @@ class RankTimeout(MeshsimError, TimeoutError):
         stacks: dict[int, str] | None = None,
         collectives: dict[int, str | None] | None = None,
         survivors: tuple[int, ...] = (),
+        finding: str | None = None,
+        waits: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         super().__init__(message)
         self.outcomes = tuple(outcomes)
         self.stacks = dict(stacks or {})
         self.collectives = dict(collectives or {})
         self.survivors = tuple(survivors)
+        self.finding = finding
+        self.waits = waits
 
 
 class NotEnoughGPUs(MeshsimError, RuntimeError):

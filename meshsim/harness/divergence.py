@@ -58,6 +58,13 @@ class Divergence:
         return min(steps) if steps else 0
 
 
+def at_step(step: int, call: Call | None) -> str:
+    """``tests/test_x.py:12 (step 3)``: the user's line that made the call, and its position;
+    ``step 3`` when the line is unknown (a call made from torch's or meshsim's own code)."""
+    where = call.where() if call is not None else None
+    return f"{where} (step {step})" if where else f"step {step}"
+
+
 def _key(call: Call) -> tuple:
     return (call.kind, call.op, call.group, call.local, call.meta)
 
@@ -97,6 +104,7 @@ class Comparison:
         self.calls: dict[int, list[Step]] = {}
         self.p2p: dict[int, list[Step]] = {}
         self.last_step: dict[int, int] = {}
+        self.last_call: dict[int, Call | None] = {}
         self.final: set[int] = set()
         self.stuck: set[int] = set()  # final because deadlocked in their last call
         self._ref_rank: int | None = None
@@ -139,6 +147,7 @@ class Comparison:
         self.calls[rank] = sink.calls
         self.p2p[rank] = sink.p2p
         self.last_step[rank] = sink.step - 1
+        self.last_call[rank] = sink.current or sink.last
         if final:
             self.final.add(rank)
         if rank == self._ref_rank:
@@ -175,12 +184,12 @@ class Comparison:
         ws = self.world_size
         if step is not None:
             what = step[1].signature(ws) if sizes else step[1].describe(ws)
-            return f"rank {rank} {verb} {what} at step {step[0]}"
+            return f"rank {rank} {verb} {what} at {at_step(*step)}"
         if other_step is not None:
             later = [s for s in self.calls.get(rank, []) if s[0] >= other_step]
             if later:
                 s, call = later[0]
-                return f"rank {rank} called {call.describe(ws)} at step {s} instead"
+                return f"rank {rank} called {call.describe(ws)} at {at_step(s, call)} instead"
         last = self.last_step.get(rank, -1)
         if last < 0:
             return f"rank {rank} made no such call (it recorded no calls at all)"
@@ -272,9 +281,14 @@ class Comparison:
 
     def _absent(self, rank: int) -> str:
         last = self.last_step.get(rank, -1)
+        call = self.last_call.get(rank)
         if rank in self.stuck:
-            return f"it is deadlocked in its call at step {last}"
-        return "it recorded no calls at all" if last < 0 else f"it returned after step {last}"
+            return f"it is deadlocked in its call at {at_step(last, call)}"
+        if last < 0:
+            return "it recorded no calls at all"
+        if call is not None and call.site is not None:
+            return f"it returned after its call at {at_step(last, call)}"
+        return f"it returned after step {last}"
 
     def group_creations(self) -> list[Call]:
         """The first rank's world-synchronised creations (every rank's, when none diverged)."""
@@ -323,8 +337,9 @@ class Comparison:
         message = (
             f"{head}: {who} disagree on {what}; "
             f"{hang}.\n  {div.side_a};\n  {div.side_b}.\n"
-            "Steps are 0-based positions in each rank's sequence of recorded calls "
-            "(group creations, collectives and point-to-point calls)."
+            "Lines are the calls' sites in your code; steps are 0-based positions in each "
+            "rank's sequence of recorded calls (group creations, collectives and "
+            "point-to-point calls)."
         )
         return CollectiveDivergence(
             message,

@@ -30,6 +30,7 @@ from meshsim.harness.outcome import (
     timeout_error,
 )
 from meshsim.harness.threadtools import HarnessInterrupt, Watchdog
+from meshsim.harness.waits import Waits
 
 
 class FakeBackend:
@@ -74,7 +75,9 @@ class FakeBackend:
         if outcomes and outcomes[-1].status == "timeout":
             skipped = len(job.ranks) - len(outcomes)
             note = f"(the fake tier runs ranks in turn; {skipped} later rank(s) were not run)"
-            raise timeout_error(outcomes, timeout=job.timeout, note=note, **info)
+            # Fake collectives return at once: nobody waits, the report says where ranks are.
+            waits = Waits(job.world_size, {}, {}, outcomes)
+            raise timeout_error(outcomes, timeout=job.timeout, note=note, waits=waits, **info)
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure

@@ -19,12 +19,15 @@ overlapping rows, a group-name clash) goes through torch's own code unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from meshsim import torch_private
 from meshsim.harness import recorder
+from meshsim.harness.sites import call_site
 
 #: Use the fast path in the fake tier (env ``MESHSIM_FAKE_FASTPATH=0`` turns it off).
 ENABLED = os.environ.get("MESHSIM_FAKE_FASTPATH", "1") != "0"
@@ -44,6 +47,8 @@ class NonMemberFastPath:
 
     def __init__(self) -> None:
         self._plans: dict[tuple, _Plan | None] = {}
+        #: (plan, user's line) -> the plan's records naming that line, made once per run.
+        self._sited: dict[tuple[int, object], tuple[recorder.Call, ...]] = {}
         self._installed = False
         self._original: Any = None
         self._new_group: Any = None
@@ -74,6 +79,7 @@ class NonMemberFastPath:
             torch_private.set_mesh_group_factory(self._original)
             self._installed = False
         self._plans.clear()
+        self._sited.clear()
 
     # ------------------------------------------------------------------ the replacement
 
@@ -125,6 +131,15 @@ class NonMemberFastPath:
             self._plans[key] = _make_plan(sub_layout, rank_map, dim_name)
         return self._plans[key]
 
+    def _calls_at(self, plan: _Plan, site: object) -> tuple[recorder.Call, ...]:
+        """The plan's records as the recorder would make them from the user's line ``site``."""
+        if site is None:
+            return plan.calls
+        key = (id(plan), site)
+        if key not in self._sited:
+            self._sited[key] = tuple(dataclasses.replace(c, site=site) for c in plan.calls)
+        return self._sited[key]
+
     def _skip_rows(self, plan: _Plan, start: int, stop: int) -> None:
         """What torch's ``new_group`` does for non-member rows ``start:stop``, in one step."""
         import torch.distributed.distributed_c10d as c10d
@@ -133,7 +148,7 @@ class NonMemberFastPath:
             return
         sink = recorder._current_sink()
         if sink is not None and not getattr(recorder._tls, "depth", False):
-            for call in plan.calls[start:stop]:
+            for call in self._calls_at(plan, call_site(sys._getframe(1)))[start:stop]:
                 sink.enter(call)
                 sink.exit(call)
         world = torch_private.world()

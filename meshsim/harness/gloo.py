@@ -40,6 +40,8 @@ from meshsim.harness.outcome import (
     trim_stack_text,
 )
 from meshsim.harness.pool import Worker, get_pool
+from meshsim.harness.sites import as_traceback
+from meshsim.harness.waits import Waits
 
 #: After the first failing rank, how long the others get to finish before being stopped
 #: (ranks that can only wait for the failed one are stopped at once: ``DivergenceWatch``).
@@ -172,7 +174,8 @@ class ProcessBackend:
         self._forward_output(ranks)
         outcomes = [self._outcome(r, stopped.get(r.rank), status) for r in ranks]
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
-        divergence = self._judge(job, ranks, outcomes) or watch.found
+        calls, blocked = self._recordings(ranks)
+        divergence = judge(job.world_size, calls, outcomes, blocked) or watch.found
         if divergence is not None:
             for r in ranks:
                 r.kept = False  # the backend may have tolerated it: the next job gets a new world
@@ -183,7 +186,8 @@ class ProcessBackend:
                 divergence, outcomes, ending_of_run(diverged, timed_out, job.timeout)
             )
         if timed_out:
-            raise timeout_error(outcomes, timeout=job.timeout, **info)
+            waits = Waits(job.world_size, calls, blocked, outcomes)
+            raise timeout_error(outcomes, timeout=job.timeout, waits=waits, **info)
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure
@@ -201,8 +205,8 @@ class ProcessBackend:
             outcomes, backend=self.name, world_size=job.world_size, teardown_failures=teardown
         )
 
-    def _judge(self, job: Job, ranks: list[_Rank], outcomes: list[RankOutcome]) -> Exception | None:
-        """The divergence the ranks' recordings prove, however the run ended (``live.judge``).
+    def _recordings(self, ranks: list[_Rank]) -> tuple[dict[int, list], dict[int, Any]]:
+        """(rank -> its calls, stopped rank -> the call it was in), judged by ``live.judge``.
 
         Every rank's stream is read to its end first: a killed or crashed rank's file holds
         every call it entered. The backend may have tolerated a mismatch (an ``isend`` nobody
@@ -225,7 +229,7 @@ class ProcessBackend:
             # raise, and what its handlers call then is the harness's doing, not the body's.
             calls[r.rank] = stream.calls[: r.cut[0]] if r.stopped else stream.calls
         blocked = {r.rank: r.cut[1] for r in ranks if r.stopped}
-        return judge(job.world_size, calls, outcomes, blocked)
+        return calls, blocked
 
     def _send_job(self, r: _Rank, spec: dict[str, Any]) -> None:
         try:
@@ -366,6 +370,7 @@ def _tail(text: str, lines: int = 30) -> str:
 
 
 def _faulthandler_to_text(dump: str) -> str:
-    """The worker's thread stacks from faulthandler, minus the harness's own watcher thread."""
+    """The worker's thread stacks from faulthandler, minus the harness's own watcher thread,
+    in the threaded tier's form (``sites.as_traceback``: most recent call last, with source)."""
     blocks = [b for b in dump.strip().split("\n\n") if "_watch_parent" not in b]
-    return trim_stack_text("\n\n".join(blocks).strip() + "\n")
+    return trim_stack_text(as_traceback("\n\n".join(blocks)))

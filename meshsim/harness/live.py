@@ -59,8 +59,10 @@ class LiveTable:
             kind, group = "collective", slot[0]
             where = format_group(group, ws)
             what = f"their calls on {where} at index {index} of that group's sequence"
-        side_a = f"rank {a[0]} called {a[1].signature(ws)}"
-        side_b = f"rank {b[0]} called {b[1].signature(ws)}"
+        side_a, side_b = (
+            f"rank {r} called {c.signature(ws)}" + (f" at {c.where()}" if c.site else "")
+            for r, c in (a, b)
+        )
         message = (
             f"collective divergence (caught live on the threaded tier, before the call ran): "
             f"ranks {a[0]} and {b[0]} disagree on {what}; on a real backend these ranks "

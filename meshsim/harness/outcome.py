@@ -311,17 +311,24 @@ def timeout_error(
     timeout: float,
     survivors: Sequence[int] = (),
     note: str = "",
+    waits: Any = None,
 ) -> Exception:
-    """A ``RankTimeout`` carrying every rank's stack and the collective it was blocked in."""
+    """A ``RankTimeout`` carrying every rank's stack and the collective it was blocked in.
+
+    ``waits``: who waits for whom, read off the run's recordings (a ``waits.Waits``); the
+    first line then leads with it, the same on every tier, and each stopped rank's line
+    names the user's line it stands on.
+    """
     from meshsim.errors import RankTimeout
 
     stuck = [o for o in outcomes if o.status == "timeout"]
-    header = (
+    summary = (
         f"meshsim.run({body_name(fn)}, world_size={world_size}, backend={backend!r}) timed out "
         f"after {timeout:g} s; {rank_label(o.rank for o in stuck) if stuck else 'no rank'} "
         "still running, all ranks stopped"
     )
-    lines = [header]
+    finding = waits.finding() if waits is not None else None
+    lines = [f"{finding}; {summary}" if finding else summary]
     if survivors:
         lines.append(
             f"WARNING: {rank_label(survivors)} could not be stopped: their threads are still "
@@ -333,7 +340,8 @@ def timeout_error(
     for o in sorted(outcomes, key=lambda o: o.rank):
         if o.status == "timeout":
             where = f"blocked in {o.collective}" if o.collective else "not in a collective"
-            lines.append(f"rank {o.rank}: {where}")
+            site = waits.call_site(o.rank) if waits is not None else None
+            lines.append(f"rank {o.rank}: {where}" + (f" at {site}" if site else ""))
         elif o.status == "ok":
             lines.append(f"rank {o.rank}: returned (waiting for the others)")
         else:
@@ -355,4 +363,6 @@ def timeout_error(
         stacks={o.rank: o.stack for o in outcomes if o.stack},
         collectives={o.rank: o.collective for o in outcomes if o.status == "timeout"},
         survivors=tuple(survivors),
+        finding=finding,
+        waits=dict(waits.waits) if waits is not None else None,
     )

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshsim.harness.peer import PeerOp
 from meshsim.harness.peer import peer_ops as peer_ops
 from meshsim.harness.recorder import Call
+from meshsim.harness.sites import Site, format_site
 
 Step = tuple[int, Call]
 
@@ -33,11 +34,13 @@ Step = tuple[int, Call]
 
 @dataclass(frozen=True)
 class Message:
-    """A ``PeerOp`` with the rank and step (position in its recorded sequence) that made it."""
+    """A ``PeerOp`` with the rank and step (position in its recorded sequence) that made it,
+    and the user's line that made the call (``site``, for reports)."""
 
     rank: int
     step: int
     op: PeerOp
+    site: Site | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def _messages(
     for rank, steps in calls.items():
         for step, call in steps:
             for op in call.ops:
-                msg = Message(rank, step, op)
+                msg = Message(rank, step, op, call.site)
                 if op.sends and op.peer is not None:
                     sends.setdefault((rank, op.peer, op.tag), []).append(msg)
                 elif op.peer is None:
@@ -169,7 +172,8 @@ def describe(mismatch: Mismatch, absent: Callable[[int], str]) -> tuple[str, str
 
     def side(msg: Message | None, rank: int, verb: str) -> str:
         if msg is not None:
-            return f"rank {msg.rank} called {msg.op.describe()} at step {msg.step}"
+            at = f"{format_site(msg.site)} (step {msg.step})" if msg.site else f"step {msg.step}"
+            return f"rank {msg.rank} called {msg.op.describe()} at {at}"
         return f"rank {rank} made no matching {verb} ({absent(rank)})"
 
     if m.src < 0:

@@ -51,6 +51,7 @@ from meshsim.harness.outcome import (
     timeout_error,
 )
 from meshsim.harness.threadtools import HarnessInterrupt, async_raise, thread_stack
+from meshsim.harness.waits import Waits
 
 #: After the first failing rank, how long the others get to finish before being stopped
 #: (ranks that can only wait for the failed one are stopped at once: ``DivergenceWatch``).
@@ -305,7 +306,13 @@ class ThreadedBackend:
             ending = ending_of_run(diverged, timed_out, job.timeout)
             raise with_consequence(divergence, outcomes, ending)
         if timed_out:
-            raise timeout_error(outcomes, timeout=job.timeout, survivors=survivors, **info)
+            raise timeout_error(
+                outcomes,
+                timeout=job.timeout,
+                survivors=survivors,
+                waits=Waits(job.world_size, calls, run.blocked, outcomes),
+                **info,
+            )
         failure = failure_error(outcomes, **info)
         if failure is not None:
             raise failure

@@ -15,6 +15,7 @@ import pytest
 
 from meshsim.errors import CollectiveDivergence
 from meshsim.harness import fake_groups, run
+from tests.harness._lines import line_of
 from tests.releases import needs_mesh_layout, needs_unflatten
 
 
@@ -169,7 +170,7 @@ def test_divergent_meshes_are_still_caught() -> None:
     with pytest.raises(CollectiveDivergence) as info:
         run(body, 16, "fake")
     assert info.value.kind == "creation" and info.value.index == 0
-    assert "rank 0 called new_group for group (0,4,8,12) (desc='mesh_dp') at step 0" in str(
-        info.value
-    )
-    assert "rank 9 called new_group for group (0,8) (desc='mesh_dp') at step 0" in str(info.value)
+    at = line_of(body, "init_device_mesh(")  # the user's line, also for the fast path's records
+    text = str(info.value)
+    assert f"rank 0 called new_group for group (0,4,8,12) (desc='mesh_dp') at {at} (step 0)" in text
+    assert f"rank 9 called new_group for group (0,8) (desc='mesh_dp') at {at} (step 0)" in text

@@ -8,6 +8,7 @@ import pytest
 
 from meshsim.errors import CollectiveDivergence, RankFailure, RankTimeout
 from meshsim.harness import RankContext, context, run
+from tests.harness._lines import line_of
 
 
 def _mesh_body() -> dict:
@@ -163,8 +164,10 @@ def test_mismatched_collectives_raise_collective_divergence() -> None:
         run(body, 4, "fake")
     err = info.value
     text = str(err)
-    assert "rank 0 called all_reduce on group (0,1,2,3) at step 5" in text
-    assert "rank 2 called barrier on the world at step 5" in text
+    # The user's line of each call, then its position (a step alone meant counting calls).
+    at = line_of(body, "dist.all_reduce(t, group=group)")
+    assert f"rank 0 called all_reduce on group (0,1,2,3) at {at} (step 5)" in text
+    assert f"rank 2 called barrier on the world at {line_of(body, 'barrier()')} (step 5)" in text
     assert err.ranks == (0, 2) and err.group == (0, 1, 2, 3) and err.index == 0
     assert isinstance(err, RankFailure)
 
@@ -179,7 +182,8 @@ def test_mismatched_group_creation_raises() -> None:
     with pytest.raises(CollectiveDivergence) as info:
         run(body, 4, "fake")
     assert info.value.kind == "creation" and info.value.index == 1
-    assert "rank 3 called new_group for group (0,2) at step 1" in str(info.value)
+    at = line_of(body, "dist.new_group([0, 2]")
+    assert f"rank 3 called new_group for group (0,2) at {at} (step 1)" in str(info.value)
 
 
 def test_missing_collective_is_reported_with_what_the_rank_did() -> None:
@@ -194,8 +198,9 @@ def test_missing_collective_is_reported_with_what_the_rank_did() -> None:
     with pytest.raises(CollectiveDivergence) as info:
         run(body, 2, "fake")
     text = str(info.value)
-    assert "rank 0 called all_gather_object on the world at step 1" in text
-    assert "rank 1 made no such call (it returned after step 0)" in text
+    gather, reduce = line_of(body, "all_gather_object"), line_of(body, "all_reduce")
+    assert f"rank 0 called all_gather_object on the world at {gather} (step 1)" in text
+    assert f"rank 1 made no such call (it returned after its call at {reduce} (step 0))" in text
 
 
 def test_different_groups_on_different_ranks_are_fine() -> None:
