@@ -186,7 +186,8 @@ class ProcessBackend:
                 divergence, outcomes, ending_of_run(diverged, timed_out, job.timeout)
             )
         if timed_out:
-            waits = Waits(job.world_size, calls, blocked, outcomes)
+            unfollowed = [r.rank for r in ranks if r.stopped and r.stream.many_threads]  # type: ignore[union-attr]
+            waits = Waits(job.world_size, calls, blocked, outcomes, unfollowed=unfollowed)
             raise timeout_error(outcomes, timeout=job.timeout, waits=waits, **info)
         failure = failure_error(outcomes, **info)
         if failure is not None:

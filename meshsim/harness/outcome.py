@@ -327,7 +327,10 @@ def timeout_error(
         f"after {timeout:g} s; {rank_label(o.rank for o in stuck) if stuck else 'no rank'} "
         "still running, all ranks stopped"
     )
-    finding = waits.finding() if waits is not None else None
+    try:
+        finding = waits.finding() if waits is not None else None
+    except Exception as exc:  # a report must never hide the timeout it reports
+        finding = f"who waits for whom could not be worked out ({type(exc).__name__}: {exc})"
     lines = [f"{finding}; {summary}" if finding else summary]
     if survivors:
         lines.append(

@@ -484,9 +484,14 @@ class StreamReader:
 
     @property
     def blocked_in(self) -> Call | None:
-        if self._extra or len(self._threads) > 1:
+        if self.many_threads:
             return None
         return self.current
+
+    @property
+    def many_threads(self) -> bool:
+        """The body ran threads of its own by some call: where it waits cannot be told."""
+        return self._extra or len(self._threads) > 1
 
     def poll(self) -> bool:
         """Read what was appended since the last poll; True when there was anything."""

@@ -20,7 +20,7 @@ the line says so and where the running ranks are. Pure: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from meshsim.harness.deadlock import WORLD_CREATIONS, _channel_ops, members, slot_of
 from meshsim.harness.divergence import _key
@@ -37,7 +37,8 @@ class Waits:
 
     ``calls``: every rank's recorded calls up to the stop; ``blocked``: each rank still in its
     body when stopped -> the call it was inside (``None``: outside any call); ``outcomes``:
-    every rank's outcome (its status, and the stack of a stopped rank).
+    every rank's outcome (its status, and the stack of a stopped rank); ``unfollowed``: ranks
+    whose bodies made calls from threads of their own, so which call they wait in is unknown.
     """
 
     def __init__(
@@ -46,10 +47,13 @@ class Waits:
         calls: Mapping[int, Sequence[Call]],
         blocked: Mapping[int, Call | None],
         outcomes: Sequence[RankOutcome],
+        *,
+        unfollowed: Collection[int] = (),
     ) -> None:
         self.world_size = world_size
         self.calls = calls
-        self.blocked = blocked
+        self.unfollowed = frozenset(unfollowed)
+        self.blocked = {r: c for r, c in blocked.items() if r not in self.unfollowed}
         self.outcomes = {o.rank: o for o in outcomes}
         self._made: dict[int, dict[object, list[Call]]] = {}
         #: Blocked rank -> the ranks it waits for (only ranks shown to wait for someone).
@@ -125,6 +129,8 @@ class Waits:
             return outcome.describe()
         at = self.call_site(rank)
         at = f" at {at}" if at else ""
+        if rank in self.unfollowed:
+            return f"runs threads of its own (which call it waits in is unknown){at}"
         call = self.blocked.get(rank)
         if call is not None:
             return f"is in {call.describe(self.world_size)}{at}"

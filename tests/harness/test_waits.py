@@ -183,6 +183,19 @@ def test_when_nobody_waits_the_line_says_so_and_where_ranks_are() -> None:
     )
 
 
+def test_a_rank_running_threads_of_its_own_is_not_guessed_at() -> None:
+    """A process rank whose body called from threads of its own: its recording cannot say
+    which call it waits in, so it is neither a waiter nor 'outside any collective'."""
+    reduce = coll("all_reduce")
+    calls = {0: [reduce], 1: [coll("all_gather", marker="gather")]}
+    outcomes = [stopped(0), stopped(1, process_stack("gather"))]
+    waits = Waits(2, calls, {0: reduce, 1: None}, outcomes, unfollowed=[1])
+    assert waits.finding() == (
+        f"rank 0 waits in all_reduce on the world at {at('reduce')} for rank 1; rank 1 runs "
+        f"threads of its own (which call it waits in is unknown) at {at('gather', source=True)}"
+    )
+
+
 def test_the_timeout_leads_with_the_finding_and_keeps_the_summary() -> None:
     def body() -> None: ...
 
@@ -205,3 +218,17 @@ def test_the_timeout_leads_with_the_finding_and_keeps_the_summary() -> None:
     assert lines[2] == f"rank 1: not in a collective at {at('sleep', source=True)}"
     old = timeout_error(outcomes, **info)  # no recordings given: the summary alone, as before
     assert str(old).splitlines()[0] == summary and old.finding is None  # type: ignore[attr-defined]
+
+
+def test_a_report_that_cannot_be_worked_out_keeps_the_timeout() -> None:
+    class Broken(Waits):
+        def finding(self) -> str:
+            raise KeyError("no such rank")
+
+    def body() -> None: ...
+
+    info = {"fn": body, "backend": "gloo", "world_size": 1, "timeout": 5.0}
+    err = timeout_error([stopped(0)], waits=Broken(1, {}, {0: None}, [stopped(0)]), **info)
+    assert str(err).startswith(
+        "who waits for whom could not be worked out (KeyError: 'no such rank'); meshsim.run("
+    )
