@@ -153,6 +153,26 @@ class TeardownWarning(MeshsimError, RuntimeWarning):
     """
 
 
+class RolesUnknown(UsageError):
+    """The reference cannot say which ranks a data-flow check must compare.
+
+    Raised by :func:`meshsim.assert_data_parallel` and :func:`meshsim.assert_gradient_sync` when
+    the reference's ``data_parallel`` or ``gradient_reduce`` role is unknown (a plain torch
+    mesh whose dim names fit no naming family): the check refuses rather than guess, and the
+    message names the ``roles=`` argument that settles it. Not a finding about the program.
+    """
+
+
+class NothingCompared(MeshsimError, AssertionError):
+    """A data-flow check found no two ranks to compare, so it proved nothing.
+
+    Every ``gradient_reduce`` group is a single rank (no data parallelism, no context
+    parallelism), or the world is one rank: there is no pair whose gradients or batches must
+    agree. Not a finding about the program, and not a pass either: an ``AssertionError`` so a
+    test that relies on the check does not pass silently.
+    """
+
+
 class DataflowMismatch(MeshsimError, AssertionError):
     """Ranks loaded, or reduced, what their roles forbid: the groups may be right, the use wrong.
 

@@ -164,18 +164,52 @@ def refusals_table(framework: str) -> str:
     return "\n".join(lines)
 
 
+def role_families_table(framework: str) -> str | None:
+    """The naming families a convention reads roles from (its ``ROLE_FAMILIES``: the torch
+    convention's), each with the roles ``meshsim.expect`` gives its example; None without."""
+    import meshsim
+    from meshsim.model.conventions import convention
+
+    families = getattr(convention(framework), "ROLE_FAMILIES", None)
+    if families is None:
+        return None
+    lines = [
+        f"What `meshsim.expect({framework!r}, {WORLD}, ...)` reads off the dim names of each "
+        "family's example (`×`: a product of dims the mesh never flattened, a kind of its own):",
+        "",
+        "| family | who names dims so | example | `data_parallel` | `gradient_reduce` |",
+        "|---|---|---|---|---|",
+    ]
+    for family, who, config in families:
+        exp = meshsim.expect(framework, WORLD, **config)
+        cells = []
+        for role in ("data_parallel", "gradient_reduce"):
+            if role in exp.roles:
+                cells.append(_code(exp.roles[role]))
+            else:
+                cells.append(
+                    "unknown: the checks ask for `roles=`" if role in exp.unknown_roles else "none"
+                )
+        lines.append(
+            f"| {_cell(family)} | {_cell(who)} | {_code(_config(config))} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def render(framework: str) -> str:
     """The generated part of one convention page."""
-    return "\n\n".join(
-        [
-            "## Config keys",
-            parameters_table(framework),
-            "## Kinds and roles",
-            kinds_table(framework),
-            "## Refused configs",
-            refusals_table(framework),
-        ]
-    )
+    parts = [
+        "## Config keys",
+        parameters_table(framework),
+        "## Kinds and roles",
+        kinds_table(framework),
+    ]
+    families = role_families_table(framework)
+    if families is not None:
+        parts += ["## Roles from dim names", families]
+    return "\n\n".join([*parts, "## Refused configs", refusals_table(framework)])
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import TYPE_CHECKING, Any
 
 from meshsim.errors import MeshesDisagree, UsageError
@@ -175,7 +176,8 @@ def _names(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Disagreeme
     """One name for two groups, or two names for one group, between the views of one job.
 
     Independent meshes (two models) may name their own groups as they like; what they must
-    not do is share a communicator (:func:`_communicators`).
+    not do is share a communicator (:func:`_communicators`). Two names for one group count
+    only where the coincidence does not hang on size-1 dims (:func:`_singleton_caused`).
     """
     assert a.dims is not None and b.dims is not None
     if rules.independent:
@@ -191,7 +193,7 @@ def _names(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Disagreeme
                 subject = name_a
             elif same_group and not same_name and len(dim_a.members) > 1:
                 meant = frozenset({f"{a.name}:{name_a}", f"{b.name}:{name_b}"})
-                if meant in rules.same_groups:
+                if meant in rules.same_groups or _singleton_caused(a, name_a, b, name_b):
                     continue
                 aspect = "two names, one group"
                 detail = (
@@ -205,6 +207,31 @@ def _names(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Disagreeme
                 continue
             found.append(Disagreement(rank, (a.name, b.name), aspect, detail, subject))
     return found
+
+
+def _singleton_caused(a: MeshView, name_a: str, b: MeshView, name_b: str) -> bool:
+    """Do ``a:name_a`` and ``b:name_b`` hold one group only because dims have size 1?
+
+    A dim's group is equally the product of the dim with the size-1 dims beside it: in
+    ``(dp_replicate, dp_shard, tp) = (2, 1, 4)``, ``dp_replicate`` holds the ranks of
+    ``dp_replicate × dp_shard``, which an ``eval`` mesh calls ``dp``, and at another world size
+    (``dp_shard`` 2) the two groups part. So a coincidence counts only when the two dims have
+    the same size-1 neighbours, by name, on each side (the run of size-1 dims before the dim
+    and after it, up to a dim of size > 1); otherwise it is singleton-caused and no finding.
+    """
+    return _size1_beside(a, name_a) != _size1_beside(b, name_b)
+
+
+def _size1_beside(view: MeshView, name: str) -> tuple[frozenset[str], frozenset[str]]:
+    """The size-1 dims next to ``name`` in ``view``'s dim order: (the run before, after)."""
+    assert view.dims is not None
+    sizes = [(dim, len(held.members)) for dim, held in view.dims.items()]
+    at = [dim for dim, _ in sizes].index(name)
+
+    def ones(side: Iterable[tuple[str, int]]) -> frozenset[str]:
+        return frozenset(dim for dim, _ in takewhile(lambda pair: pair[1] == 1, side))
+
+    return ones(reversed(sizes[:at])), ones(sizes[at + 1 :])
 
 
 def _communicators(rank: int, a: MeshView, b: MeshView, rules: Rules) -> list[Disagreement]:
@@ -333,7 +360,10 @@ def check_meshes(
     communicated) or a reference :class:`~meshsim.Expected`, whose ``layout`` (named
     ``"main"``) and ``meshes`` are compared on every rank. See :class:`Rules` for the options;
     the groups ``framework``'s convention declares one on purpose are accepted too (a
-    reference's own framework by default).
+    reference's own framework by default). Two names for one group are not reported when the
+    coincidence hangs on size-1 dims: the two dims must have the same size-1 dims beside them,
+    by name, on each side (``train:dp_replicate`` of ``(2, 1, 4)`` with ``dp_shard`` 1 and
+    ``eval:dp`` of ``(2, 4)`` part at another world size, so they are no finding).
 
     Example, inside a rank: ``check_meshes({"model": model_mesh, "trainer": trainer_mesh})``
     is empty when both meshes give every rank the same data rank and name no group twice.

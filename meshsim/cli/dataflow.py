@@ -50,11 +50,14 @@ def as_json(result: Any) -> dict[str, Any]:
         "error": result.error,
         "data_error": result.data_error,
         "gradient_error": result.gradient_error,
+        "not_compared": list(result.not_compared),
     }
 
 
 def print_result(out: Any, result: Any) -> None:
     verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
+    if result.passed and result.not_compared:
+        verdict = "[yellow]PASS only where compared[/yellow]"
     out.print(f"dataflow ({result.seconds:.2f} s): {verdict}")
-    if not result.passed:
+    if not result.passed or result.not_compared:
         out.print(str(result).split("\n", 1)[1], markup=False)

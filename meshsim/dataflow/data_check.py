@@ -15,7 +15,7 @@ from typing import Any
 from meshsim.dataflow import roles
 from meshsim.dataflow.evidence import MeshGroups, require_data_movement, wrong_mesh
 from meshsim.dataflow.records import BatchRecord, SampleId, Step
-from meshsim.errors import DataflowMismatch, UsageError
+from meshsim.errors import DataflowMismatch, NothingCompared, UsageError
 from meshsim.model.expected import Expected
 
 #: How many sample ids a message lists before eliding.
@@ -37,7 +37,11 @@ def assert_data_parallel(
     ``global_batches`` (sample ids per step) adds the check that each data-parallel group's
     union is exactly that batch. ``context_chunks=True`` says the context-parallel peers hold
     different sequence chunks of the same samples (recorded with ``chunk=``) and checks it.
+    A reference that cannot tell the data-parallel groups raises
+    :class:`~meshsim.errors.RolesUnknown` (pass ``roles=``); records with no two ranks to
+    compare (one rank, or no step recorded) raise :class:`~meshsim.errors.NothingCompared`.
     """
+    roles.require_known(expected, "data_parallel")
     gathered = _gather(records)
     by_rank = _by_rank(gathered, expected.world_size)
     problems = find_problems(
@@ -85,6 +89,9 @@ def find_problems(
     replicas: dict[int, list[int]] = {}
     for rank in sorted(by_rank):
         replicas.setdefault(index[rank], []).append(rank)
+    why = _nothing_compared(steps, replicas, roles.data_groups(expected))
+    if why:
+        raise NothingCompared(why)
     problems: list[str] = []
     reported: set[tuple[int, int]] = set()
     mesh = wrong_mesh(mesh_groups or {}, expected)
@@ -98,6 +105,23 @@ def find_problems(
         problems += _shards_disjoint(step, at, expected, global_batches, mesh)
     problems += _no_repeats(by_rank, replicas)
     return problems
+
+
+def _nothing_compared(
+    steps: int, replicas: dict[int, list[int]], groups: list[tuple[int, ...]]
+) -> str | None:
+    """Why no rule compared two ranks (None when one did): no step, or no pair at all."""
+    if steps == 0:
+        return (
+            "assert_data_parallel compared nothing: no rank recorded a step (rec.add(batch) "
+            "once per step, or record_batches(batches)); nothing was checked, which is not a pass"
+        )
+    if all(len(r) < 2 for r in replicas.values()) and all(len(g) < 2 for g in groups):
+        return (
+            "assert_data_parallel compared nothing: no two ranks share a data-parallel rank or "
+            "a data-parallel group (a world of one rank); nothing was checked, which is not a pass"
+        )
+    return None
 
 
 def _gather(records: BatchRecord | Iterable[BatchRecord]) -> list[BatchRecord]:
@@ -260,7 +284,7 @@ def _shards_disjoint(
         for rank in group:
             for sample in at[rank].samples:
                 if sample in owner and owner[sample] != rank:
-                    return [_overlap(step, at, group, owner[sample], rank, mesh)]
+                    return [_overlap(step, at, expected, group, owner[sample], rank, mesh)]
                 owner[sample] = rank
         if global_batches is not None:
             wanted = set(global_batches[step])
@@ -276,7 +300,13 @@ def _shards_disjoint(
 
 
 def _overlap(
-    step: int, at: dict[int, Step], group: tuple[int, ...], a: int, b: int, mesh: str | None
+    step: int,
+    at: dict[int, Step],
+    expected: Expected,
+    group: tuple[int, ...],
+    a: int,
+    b: int,
+    mesh: str | None,
 ) -> str:
     both = [s for s in at[a].samples if s in set(at[b].samples)]
     head = (
@@ -291,7 +321,26 @@ def _overlap(
             "rank of the group loaded the same batch: num_replicas/rank not passed, or taken "
             "from a group of size 1)"
         )
+    smaller = _split_within(at, expected)
+    if smaller:
+        return head + (
+            f". Likely mistake: the sampler was split over {smaller} instead of the data-"
+            f"parallel group {roles.describe_kind(expected, expected.roles['data_parallel'])}, "
+            f"so data-parallel ranks {a} and {b} loaded the same samples"
+        )
     return head + ": data-parallel ranks must load disjoint samples"
+
+
+def _split_within(at: dict[int, Step], expected: Expected) -> str | None:
+    """The kind a sampler split over would give exactly this step's samples (a part of the
+    data-parallel group: ``dp_shard`` alone under HSDP), described; None if no kind does."""
+    data_kind = expected.roles.get("data_parallel")
+    for kind, groups in roles.partitions(expected):
+        if kind in (data_kind, "<world>") or len(groups[0]) <= 1:
+            continue
+        if _split_over(at, groups):
+            return roles.describe_kind(expected, kind)
+    return None
 
 
 def _no_repeats(by_rank: dict[int, list[Step]], replicas: dict[int, list[int]]) -> list[str]:

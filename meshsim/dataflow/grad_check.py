@@ -22,7 +22,7 @@ from meshsim.dataflow.evidence import (
     require_data_movement,
     wrong_mesh,
 )
-from meshsim.errors import DataflowMismatch, UsageError
+from meshsim.errors import DataflowMismatch, NothingCompared, UsageError
 from meshsim.model.expected import Expected
 
 
@@ -77,7 +77,9 @@ def assert_gradient_sync(model: Any, expected: Expected) -> None:
     Call on every rank (collective) after ``backward`` and ``optimizer.step()``, with each
     rank's loss scaled by :func:`loss_scale`. Works for plain modules, torch
     ``DistributedDataParallel``, FSDP2 ``fully_shard`` (FSDP or HSDP meshes) and DTensor
-    tensor-parallel layers.
+    tensor-parallel layers. A reference that cannot tell the gradient groups raises
+    :class:`~meshsim.errors.RolesUnknown` (pass ``roles=``); gradient groups of one rank each
+    raise :class:`~meshsim.errors.NothingCompared`: neither is a pass.
     """
     import torch.distributed as dist
 
@@ -105,14 +107,33 @@ def find_problems(
     mesh_groups: MeshGroups | None = None,
 ) -> list[str]:
     """Every gradient group whose members disagree, one line each, naming the likely mistake
-    (the mesh itself, when ``mesh_groups`` show a dim the reference has with other ranks)."""
+    (the mesh itself, when ``mesh_groups`` show a dim the reference has with other ranks).
+
+    Raises :class:`~meshsim.errors.RolesUnknown` when the reference cannot tell the gradient
+    groups, :class:`~meshsim.errors.NothingCompared` when every one is a single rank."""
+    groups = roles.gradient_groups(expected)
+    if all(len(group) < 2 for group in groups):
+        raise NothingCompared(_nothing_compared(expected))
     if not any(p.grad is not None for prints in by_rank.values() for p in prints):
         return ["no parameter has a gradient on any rank: call after loss.backward()"]
     problems: list[str] = []
     mesh = wrong_mesh(mesh_groups or {}, expected)
-    for group in roles.gradient_groups(expected):
+    for group in groups:
         problems += _group_problems(group, by_rank, expected, mesh)
     return problems
+
+
+def _nothing_compared(expected: Expected) -> str:
+    kind = expected.roles.get("gradient_reduce")
+    where = (
+        f"every gradient_reduce group ({kind}) is a single rank"
+        if kind
+        else "the reference has no gradient_reduce group (no data or context parallelism)"
+    )
+    return (
+        f"assert_gradient_sync compared nothing: {where}, so no two ranks must end the step "
+        "with the same gradients; nothing was checked, which is not a pass"
+    )
 
 
 def _group_problems(

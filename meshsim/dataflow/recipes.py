@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshsim import torch_private
-from meshsim.errors import DataflowMismatch, RankFailure, RankTimeout, UsageError
+from meshsim.errors import (
+    DataflowMismatch,
+    NothingCompared,
+    RankFailure,
+    RankTimeout,
+    UsageError,
+)
 from meshsim.model import torch_release
 
 #: The right wiring, then the three classic mistakes.
@@ -36,8 +42,18 @@ WIDTH = 4
 
 
 @dataclass(frozen=True)
+class NotCompared:
+    """A check that found no two ranks to compare (:class:`~meshsim.errors.NothingCompared`):
+    what a rank returns instead of a finding, so the result can say so."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class DataflowResult:
-    """One recipe run: passed when both the data and the gradient check held on every rank."""
+    """One recipe run: passed when neither the data nor the gradient check found a problem
+    on any rank. ``not_compared`` holds why a check had no two ranks to compare (a layout
+    without gradient reduction): nothing wrong, nothing proven, and the result says so."""
 
     framework: str
     world_size: int
@@ -49,6 +65,7 @@ class DataflowResult:
     gradient_error: str | None
     seconds: float
     error: str | None = field(default=None)
+    not_compared: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -60,6 +77,8 @@ class DataflowResult:
             f"{self.framework} {cfg} world_size={self.world_size} on {self.backend} "
             f"(dataflow, {self.wiring} wiring): "
         )
+        if self.passed and self.not_compared:
+            return head + "PASS only where compared\n" + "\n".join(self.not_compared)
         if self.passed:
             return head + "PASS, batches follow the data mesh and gradients the gradient mesh"
         parts = [p for p in (self.error, self.data_error, self.gradient_error) if p]
@@ -128,14 +147,19 @@ def check_dataflow(
         )
     except (RankFailure, RankTimeout) as error:
         return result(error=str(error))
-    gradient_errors = sorted({g for _, g in outcomes if g})
+    gradient_errors = sorted({g for _, g in outcomes if isinstance(g, str)})
+    not_compared = sorted({g.reason for _, g in outcomes if isinstance(g, NotCompared)})
+    data_error = None
     try:
         assert_data_parallel([r for r, _ in outcomes], expected)
-        data_error = None
     except DataflowMismatch as error:
         data_error = str(error)
+    except NothingCompared as error:
+        not_compared.insert(0, str(error))
     gradient_error = "\n".join(gradient_errors) if gradient_errors else None
-    return result(data_error=data_error, gradient_error=gradient_error)
+    return result(
+        data_error=data_error, gradient_error=gradient_error, not_compared=tuple(not_compared)
+    )
 
 
 def unsupported(
@@ -210,7 +234,7 @@ def train_on_rank(
     wiring: str,
     real: bool,
     expected: Any,
-) -> tuple[Any, str | None]:
+) -> tuple[Any, str | NotCompared | None]:
     """On one rank: build, load, train ``STEPS`` steps, check gradients; (record, finding)."""
     import torch
     import torch.distributed as dist
@@ -251,11 +275,13 @@ def train_on_rank(
         optimizer.step()
         if len(record.steps) < STEPS:
             optimizer.zero_grad()
+    finding: str | NotCompared | None = None
     try:
         assert_gradient_sync(model, expected)
-        finding = None
     except DataflowMismatch as error:
         finding = str(error)
+    except NothingCompared as error:
+        finding = NotCompared(str(error))
     return record, finding
 
 

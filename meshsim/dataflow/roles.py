@@ -8,14 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from meshsim.errors import RolesUnknown
 from meshsim.model.expected import Expected
 
 #: How a message names two ranks that share a group of this role.
 PEERS = {"tensor": "TP peers", "context": "CP peers", "pipeline": "pipeline stages"}
 
 
+def require_known(expected: Expected, *wanted: str) -> None:
+    """Raise :class:`~meshsim.errors.RolesUnknown` when a role a check reads is unknown: the
+    reference cannot tell it (a torch mesh whose dim names fit no family), and a guess could
+    blame correct code."""
+    for role in wanted:
+        if role in expected.unknown_roles:
+            raise RolesUnknown(expected.unknown_roles[role])
+
+
 def data_groups(expected: Expected) -> list[tuple[int, ...]]:
     """The data-parallel groups (singletons when the layout has no data parallelism)."""
+    require_known(expected, "data_parallel")
     if "data_parallel" not in expected.roles:
         return [(r,) for r in range(expected.world_size)]
     return [tuple(g) for g in expected.groups("data_parallel")]
@@ -32,6 +43,7 @@ def data_index(expected: Expected) -> dict[int, int]:
 
 def gradient_groups(expected: Expected) -> list[tuple[int, ...]]:
     """The groups gradients must be reduced over (each rank alone when there are none)."""
+    require_known(expected, "gradient_reduce")
     if "gradient_reduce" not in expected.roles:
         return [(r,) for r in range(expected.world_size)]
     return [tuple(g) for g in expected.groups("gradient_reduce")]
@@ -55,7 +67,7 @@ def describe_kind(expected: Expected, kind: str) -> str:
     parts = [f"role {'/'.join(r for r, n in expected.roles.items() if n == kind)}"]
     if parts[0] == "role ":
         parts = []
-    if k.mesh_dims:
+    if k.mesh_dims and "×".join(k.mesh_dims) != kind:  # a product kind's name says it
         parts.append("over " + "×".join(k.mesh_dims))
     parts.append(f"groups of {len(k.groups()[0]) if len(k.groups()) else 0}")
     return f"{kind} ({', '.join(parts)})"

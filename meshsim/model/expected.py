@@ -141,7 +141,8 @@ class Expected:
     """
 
     __slots__ = (
-        "_kinds", "_primary", "_roles", "config", "framework", "layout", "meshes", "world_size",
+        "_kinds", "_primary", "_roles", "_unknown_roles", "config", "framework", "layout",
+        "meshes", "world_size",
     )  # fmt: skip
 
     def __init__(
@@ -154,6 +155,7 @@ class Expected:
         layout: Layout | None = None,
         meshes: Mapping[str, Layout] | None = None,
         primary: Iterable[str] | None = None,
+        unknown_roles: Mapping[str, str] | None = None,
     ) -> None:
         self.framework = framework
         self.world_size = world_size
@@ -163,13 +165,19 @@ class Expected:
         #: expert mesh is ``meshes["expert"]``), so their dim names and shape can be checked.
         self.meshes: Mapping[str, Layout] = MappingProxyType(dict(meshes or {}))
         self._kinds = {k.name: k for k in kinds}
-        unknown_roles = set(roles) - set(ROLES)
-        if unknown_roles:
-            raise ValueError(f"unknown roles {sorted(unknown_roles)}; roles are {list(ROLES)}")
+        not_roles = set(roles) - set(ROLES)
+        if not_roles:
+            raise ValueError(f"unknown roles {sorted(not_roles)}; roles are {list(ROLES)}")
         missing = {r: k for r, k in roles.items() if k not in self._kinds}
         if missing:
             raise ValueError(f"roles map to unknown kinds: {missing}")
         self._roles = MappingProxyType(dict(roles))
+        unknown = dict(unknown_roles or {})
+        if set(unknown) - set(ROLES) or set(unknown) & set(roles):
+            raise ValueError(f"unknown_roles {sorted(unknown)} must be roles the mapping lacks")
+        #: Roles the convention cannot tell under this config, each with the one-line reason
+        #: (naming the ``roles=`` that settles it): checks that need one refuse, not guess.
+        self._unknown_roles = MappingProxyType(unknown)
         #: The kinds users name first (torchtitan's axes, not its ~230 getter calls); None: all.
         self._primary = None if primary is None else tuple(primary)
 
@@ -197,6 +205,8 @@ class Expected:
             return self._kinds[name]
         if name in self._roles:
             return self._kinds[self._roles[name]]
+        if name in self._unknown_roles:
+            raise LayoutError(self._unknown_roles[name])
         raise LayoutError(
             f"{self.framework} has no group kind or role {name!r}; kinds: "
             f"{list(self._kinds)}; roles: {list(self._roles)}"
@@ -207,7 +217,16 @@ class Expected:
         """meshsim role -> this framework's kind."""
         return self._roles
 
+    @property
+    def unknown_roles(self) -> Mapping[str, str]:
+        """Roles this config may have but the convention cannot tell, each with why and the
+        ``roles=`` that settles it (a plain torch mesh whose dim names fit no family). A role
+        in neither ``roles`` nor here is one the layout does not have."""
+        return self._unknown_roles
+
     def kind_of(self, role: str) -> str:
+        if role in self._unknown_roles:
+            raise LayoutError(self._unknown_roles[role])
         if role not in self._roles:
             raise LayoutError(
                 f"{self.framework} has no group for role {role!r} under this config; "

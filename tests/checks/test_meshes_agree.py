@@ -57,6 +57,44 @@ def test_expert_meshes_have_no_data_rank_unless_named() -> None:
     assert found.aspect == "data rank" and "gives 0 of 1" in found.detail
 
 
+@pytest.mark.parametrize("world", [8, 16, 32])
+def test_names_that_meet_only_through_a_size1_dim_are_no_finding(world: int) -> None:
+    # At world 8 dp_shard is 1, so train:dp_replicate and eval:dp both hold (0, 4); at 16
+    # they part. One test over every world size needs no per-size same_groups.
+    train = layout_views(
+        "train", Layout([("dp_replicate", 2), ("dp_shard", world // 8), ("tp", 4)]), world
+    )
+    evaluation = layout_views("eval", Layout([("dp", world // 4), ("tp", 4)]), world)
+    assert [d for r in range(world) for d in compare(r, [train[r], evaluation[r]])] == []
+
+
+def test_a_coincidence_beside_the_same_size1_dims_is_still_named() -> None:
+    def findings(a: Layout, b: Layout) -> set[str]:
+        va, vb = layout_views("a", a, 8), layout_views("b", b, 8)
+        return {d.subject for r in range(8) for d in compare(r, [va[r], vb[r]])}
+
+    same_side = findings(
+        Layout([("pp", 1), ("dp", 2), ("tp", 4)]), Layout([("pp", 1), ("data", 2), ("tp", 4)])
+    )
+    assert same_side == {"a:dp = b:data"}  # pp would grow both alike
+    other_side = findings(
+        Layout([("dp", 2), ("cp", 1), ("tp", 4)]), Layout([("cp", 1), ("data", 2), ("tp", 4)])
+    )
+    assert other_side == set()  # cp 2 would give dp (0, 8) and data (0, 4)
+
+
+def _train_and_eval_meshes() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    train = init_device_mesh("cpu", (2, 1, 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    evaluation = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    return [str(d) for d in meshsim.check_meshes({"train": train, "eval": evaluation})]
+
+
+def test_live_train_and_eval_meshes_meeting_through_a_size1_dim_agree() -> None:
+    assert list(meshsim.run(_train_and_eval_meshes, 8, backend="threaded")) == [[]] * 8
+
+
 def test_bad_rules_are_usage_errors() -> None:
     expected = meshsim.expect("olmo-core", 8, dp="hsdp", num_replicas=2, expert_mesh_ep=4)
     with pytest.raises(UsageError, match=r"no mesh named \['trainer'\]"):

@@ -82,3 +82,15 @@ def test_conventions_without_a_recipe_are_refused() -> None:
 def test_public_names() -> None:
     for name in ("record_batches", "assert_data_parallel", "assert_gradient_sync"):
         assert name in meshsim.__all__ and callable(getattr(meshsim, name))
+
+
+def test_a_layout_without_gradient_reduction_says_nothing_was_compared() -> None:
+    from meshsim.cli import dataflow as dataflow_cli
+
+    result = check_dataflow("olmo-core", 4, "threaded", dp="fsdp", tp=4)  # dp world 1
+    assert result.passed and result.error is None, str(result)
+    (reason,) = result.not_compared
+    assert reason.startswith("assert_gradient_sync compared nothing: every gradient_reduce group")
+    assert "PASS only where compared" in str(result)
+    assert "gradients the gradient mesh" not in str(result)
+    assert dataflow_cli.as_json(result)["not_compared"] == [reason]

@@ -8,6 +8,17 @@ Operations are strings (the CLI's form) or tuples:
 An unflatten makes a new view (torch returns a new mesh whose names the old root does not see);
 later operations act on the first view holding all the dims they name, the way torchtitan looks
 meshes up. Every dim of every view and every flattened name becomes a kind.
+
+Roles come from the dim names, by naming family (the table is on the torch convention page,
+:data:`ROLE_FAMILIES` here; the rules in :mod:`meshsim.model.conventions._torch_roles`):
+``tensor``, ``context``, ``pipeline`` and ``expert`` are the ``tp``, ``cp``, ``pp`` and ``ep``
+dims; ``data_parallel`` is the product of the data dims (``dp``, ``dp_replicate``, ``dp_shard``,
+``batch``, ...) and ``gradient_reduce`` (and ``loss``) the product of the data and context dims,
+since FSDP and HSDP reduce over cp too. A product the mesh never flattened is a kind of its own,
+``dp_replicate×dp_shard``. Dim names outside every family (``dim0``, ``world``) leave the two
+roles unknown (``Expected.unknown_roles``): the data-flow checks then refuse and ask for
+``roles={"data_parallel": ..., "gradient_reduce": ...}``, each a dim, a flattened dim, dims to
+multiply (``"dp_replicate,dp_shard"``) or None for none.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from typing import Any, Final
 
 from meshsim.errors import LayoutError
 from meshsim.model import torch_release as _torch_release
-from meshsim.model.conventions import _torch_backend, reject_unknown
+from meshsim.model.conventions import _torch_backend, _torch_roles, reject_unknown
 from meshsim.model.expected import ROLES, Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
 from meshsim.model.sweep import divisors, ordered_factorizations
@@ -28,7 +39,8 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "mesh_dim_names": "names of the mesh dims (default: dim0, dim1, ... or ('world',) for 1-D)",
     "mesh": "an explicit rank tensor (nested lists) instead of mesh_shape",
     "ops": "flatten/unflatten operations, e.g. ['flatten dp,cp -> dp_cp']",
-    "roles": "role -> kind overrides, e.g. {'tensor': 'tp'}",
+    "roles": "role -> kind overrides, e.g. {'tensor': 'tp', 'data_parallel': 'dp_replicate,"
+    "dp_shard'}: a dim, a flattened dim, dims to multiply or None (none)",
     "backend_override": "init_device_mesh's per-dim backend, e.g. {'tp': 'fake', 0: 'gloo'}",
 }
 
@@ -36,15 +48,60 @@ PARAMETERS: Final[Mapping[str, str]] = {
 LOCAL_RANK_KIND: Final = "get_local_rank"
 _LOCAL_RANK_DESCRIPTION: Final = "get_local_rank() / get_group(), no mesh_dim: 1-D root only"
 
-_ROLE_CANDIDATES: Final[Mapping[str, tuple[str, ...]]] = {
-    "data_parallel": ("dp", "batch", "data", "dp_replicate_dp_shard", "dp_shard", "dp_replicate"),
-    "gradient_reduce": ("dp_cp", "dp_shard_cp", "fsdp", "loss", "dp", "batch", "dp_shard"),
-    "loss": ("loss", "dp_cp", "dp", "batch"),
-    "tensor": ("tp",),
-    "context": ("cp",),
-    "pipeline": ("pp",),
-    "expert": ("ep",),
-}
+#: The naming families the roles are read by, each as (family, who names dims so, a world-8
+#: config of it): the torch convention page shows each with the roles meshsim reads from it.
+ROLE_FAMILIES: Final[tuple[tuple[str, str, Mapping[str, Any]], ...]] = (
+    (
+        "HSDP replicate x shard",
+        "FSDP2 users, OLMo-core (dp=hsdp), accelerate",
+        {"mesh_shape": (2, 2, 2), "mesh_dim_names": ("dp_replicate", "dp_shard", "tp")},
+    ),
+    (
+        "HSDP with context parallel",
+        "OLMo-core (dp=hsdp, cp), accelerate (dp_shard_cp), torchtitan's dense view",
+        {
+            "mesh_shape": (2, 2, 2),
+            "mesh_dim_names": ("dp_replicate", "dp_shard", "cp"),
+            "ops": ["flatten dp_shard,cp -> dp_shard_cp"],
+        },
+    ),
+    (
+        "one data dim, flattened with cp",
+        "OLMo-core (dp=fsdp/ddp: dp, dp_cp), torchtitan legacy (dp, dp_cp)",
+        {
+            "mesh_shape": (2, 2, 2),
+            "mesh_dim_names": ("dp", "cp", "tp"),
+            "ops": ["flatten dp,cp -> dp_cp"],
+        },
+    ),
+    (
+        "torchtitan views",
+        "torchtitan's build_mesh: (pp, batch, cp, tp), loss = batch x cp, (dp_replicate, fsdp) "
+        "with fsdp = dp_shard x cp",
+        {
+            "ops": [
+                "unflatten world 2,2,2 -> batch,cp,tp",
+                "flatten batch,cp -> loss",
+                "unflatten world 2,2,2 -> dp_replicate,fsdp,tp",
+            ]
+        },
+    ),
+    (
+        "replicate x fsdp",
+        "transformers (pp, dp_replicate, fsdp, tp)",
+        {"mesh_shape": (2, 2, 2), "mesh_dim_names": ("dp_replicate", "fsdp", "tp")},
+    ),
+    (
+        "Lightning",
+        "ModelParallelStrategy's (data_parallel, tensor_parallel)",
+        {"mesh_shape": (4, 2), "mesh_dim_names": ("data_parallel", "tensor_parallel")},
+    ),
+    (
+        "none: names outside every family",
+        "init_device_mesh without mesh_dim_names (dim0, dim1, ...), a 1-D 'world'",
+        {"mesh_shape": (4, 2)},
+    ),
+)
 
 
 def expect(world_size: int, **config: Any) -> Expected:
@@ -68,14 +125,7 @@ def expect(world_size: int, **config: Any) -> Expected:
             _add(kinds, layout_kind(view, alias, f"_flatten of {axes} into {alias!r}", alias))
     _add(kinds, _local_rank_kind(root, backend_of))
 
-    roles = {role: _pick(kinds, names) for role, names in _ROLE_CANDIDATES.items()}
-    roles = {r: k for r, k in roles.items() if k is not None}
-    for role, kind in dict(config.get("roles", {})).items():
-        if role not in ROLES:
-            raise LayoutError(f"unknown role {role!r}; roles are {list(ROLES)}")
-        if kind not in kinds:
-            raise LayoutError(f"role {role!r} maps to unknown kind {kind!r}; kinds: {list(kinds)}")
-        roles[role] = kind
+    roles, unknown = _roles(views, kinds, dict(config.get("roles", {})))
     normal = {
         "mesh_shape": root.shape,
         "mesh_dim_names": root.dim_names,
@@ -83,7 +133,71 @@ def expect(world_size: int, **config: Any) -> Expected:
     }
     if override is not None:
         normal["backend_override"] = override
-    return Expected("torch", world_size, normal, kinds.values(), roles, layout=views[-1].root())
+    return Expected(
+        "torch",
+        world_size,
+        normal,
+        kinds.values(),
+        roles,
+        layout=views[-1].root(),
+        unknown_roles=unknown,
+    )
+
+
+def _roles(
+    views: list[Layout], kinds: dict[str, Kind], given: Mapping[str, Any]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(role -> kind, role -> why it is unknown): the names' roles, then ``given`` over them;
+    ``loss`` follows ``gradient_reduce`` unless given. Product kinds join ``kinds``."""
+    inferred = _torch_roles.infer(views, kinds)
+    roles, unknown = inferred.roles, inferred.unknown
+    kinds.update(inferred.derived)
+    for role, value in given.items():
+        if role not in ROLES:
+            raise LayoutError(f"unknown role {role!r}; roles are {list(ROLES)}")
+        unknown.pop(role, None)
+        if value is None:
+            roles.pop(role, None)
+        else:
+            roles[role] = _given_kind(role, value, views, kinds)
+    if "loss" not in given:
+        roles.pop("loss", None)
+        if "gradient_reduce" in roles:
+            roles["loss"] = roles["gradient_reduce"]
+    names = tuple(dict.fromkeys(d for view in views for d in view.dim_names))
+    hint = (
+        "pass roles={'data_parallel': ..., 'gradient_reduce': ...} to meshsim.expect('torch', "
+        "...) or @pytest.mark.meshsim_layout('torch', ...): each a dim, a flattened dim, dims to "
+        "multiply ('a,b') or None for none"
+    )
+    if "gradient_reduce" in unknown and "loss" not in given:
+        unknown["loss"] = unknown["gradient_reduce"]
+    messages = {
+        role: f"the torch convention cannot tell the {role} role of mesh dims {names}: {why}; "
+        + hint
+        for role, why in unknown.items()
+    }
+    return roles, messages
+
+
+def _given_kind(role: str, value: Any, views: list[Layout], kinds: dict[str, Kind]) -> str:
+    """The kind ``roles={role: value}`` names: a kind, or a product of dims of one view
+    (``"a,b"`` or ``("a", "b")``), made a kind of its own when the mesh never flattened it."""
+    if isinstance(value, str) and value in kinds:
+        return value
+    dims = tuple(d.strip() for d in value.split(",")) if isinstance(value, str) else tuple(value)
+    if len(dims) < 2 or not all(isinstance(d, str) and d for d in dims):
+        raise LayoutError(f"role {role!r} maps to unknown kind {value!r}; kinds: {list(kinds)}")
+    for view in views:
+        if set(dims) <= set(view.dim_names):
+            ordered = [d for d in view.dim_names if d in dims]
+            if len(ordered) != len(dims):
+                break
+            return _torch_roles.product_kind(view, ordered, kinds, kinds)
+    raise LayoutError(
+        f"role {role!r} multiplies dims {dims} that no mesh view holds together; views: "
+        f"{[v.dim_names for v in views]}"
+    )
 
 
 def _local_rank_kind(root: Layout, backend_of: Mapping[str, str]) -> Kind:
@@ -206,10 +320,6 @@ def _add(kinds: dict[str, Kind], kind: Kind) -> None:
     if kind.name in kinds and kinds[kind.name].groups() != kind.groups():
         raise LayoutError(f"two views give the name {kind.name!r} to different groups")
     kinds.setdefault(kind.name, kind)
-
-
-def _pick(kinds: Mapping[str, Kind], names: Sequence[str]) -> str | None:
-    return next((n for n in names if n in kinds), None)
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
