@@ -44,8 +44,9 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         entries["expert:" + dim] = expert[dim]
     entries["expert:fsdp_mesh"] = expert[_fsdp_dims(dp_replicate, "efsdp")]
     observed = collect(entries)
-    if tp > 1:
-        observed = observed.merged(_trainer(world_size, tp, dp_replicate * fsdp))
+    pc = config.get("parallelism_config")
+    if tp > 1 or pc:
+        observed = observed.merged(_trainer(world_size, tp, dp_replicate * fsdp, pc))
     return observed
 
 
@@ -106,14 +107,16 @@ def _fsdp_dims(dp_replicate: int, shard: str) -> tuple[str, ...]:
     return ("dp_replicate", shard) if dp_replicate > 1 else (shard,)
 
 
-def _trainer(world_size: int, tp: int, dp_size: int) -> Observation:
-    """``Trainer._build_accelerator_args``' ``ParallelismConfig(tp_size=tp,
-    dp_shard_size=dp_size)``, built by meshsim's accelerate builder, groups renamed
-    ``trainer:*``."""
+def _trainer(world_size: int, tp: int, dp_size: int, pc: Any = None) -> Observation:
+    """``Trainer._build_accelerator_args``' ``ParallelismConfig`` (the given one, with the TP
+    model's ``tp_size`` and ``dp_shard_size``), built by meshsim's accelerate builder, groups
+    renamed ``trainer:*``."""
     from meshsim.builders import accelerate
 
     try:
-        built = accelerate.build(world_size, _trainer_config(tp, dp_size))
+        with reference_rules():
+            handed = transformers.trainer_parallelism(tp, dp_size, pc) or {}
+        built = accelerate.build(world_size, {**handed, "distributed_type": "MULTI_GPU"})
     except FrameworkRejection:
         return Observation(
             dist.get_rank(), world_size, str(dist.get_backend()), {}, absent=("trainer:tp",)

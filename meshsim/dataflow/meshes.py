@@ -259,8 +259,8 @@ def _transformers(world_size: int, config: Mapping[str, Any], real: bool) -> Tra
         pp, model_meshes, trainer = adapter.training_meshes(config)
     else:
         pp, model_meshes, trainer = _transformers_plain(world_size, config)
-    if pp > 1:  # recipes.unsupported says why
-        raise UsageError(f"no transformers data-flow recipe for {dict(config)}")
+    # The dense mesh is (pp, dp_replicate, fsdp, tp), row-major: a rank's stage is its block.
+    pp_rank = dist.get_rank() // (world_size // pp)
     if trainer is None:
         data_rank, data_size, data = dist.get_rank(), world_size, None
     else:
@@ -280,7 +280,7 @@ def _transformers(world_size: int, config: Mapping[str, Any], real: bool) -> Tra
     grad, tp = model_meshes()
     if grad is None and tp is None:  # recipes.unsupported says why
         raise UsageError(f"no transformers data-flow recipe for {dict(config)}")
-    return TrainerMeshes(data_rank, data_size, grad, data, tp, 0, 1, 0, ddp=False)
+    return TrainerMeshes(data_rank, data_size, grad, data, tp, 0, 1, pp_rank, ddp=False)
 
 
 def _transformers_plain(world_size: int, config: Mapping[str, Any]) -> tuple[int, Any, Any]:

@@ -195,12 +195,17 @@ def _transformers_unsupported(world_size: int, config: Mapping[str, Any]) -> str
     from meshsim.model.conventions import transformers
 
     sizes = transformers.resolve(world_size, config)
-    if sizes["pp_size"] > 1:
+    if sizes["pp_size"] > 1 and sizes["tp_size"] > 1:
         return (
-            "the transformers data-flow recipe trains the dense model without pipeline "
-            "stages; pp_size > 1 is modelled by the reference and adapters only"
+            "no Trainer runs this layout: it hands accelerate ParallelismConfig(tp_size, "
+            "dp_shard_size) without the pipeline degree, which accelerate refuses"
         )
-    if all(sizes[key] == 1 for key in ("dp_replicate_size", "fsdp_size", "tp_size")):
+    if config.get("parallelism_config"):
+        return (
+            "the transformers data-flow recipe follows the Trainer's own ParallelismConfig; "
+            "a given parallelism_config is modelled by the reference and adapters only"
+        )
+    if all(sizes[key] == 1 for key in ("dp_replicate_size", "fsdp_size", "tp_size", "pp_size")):
         return (
             "every transformers size is 1: no DistributedConfig mesh, so the Trainer's plain "
             "DDP through accelerate is what trains (meshsim verify accelerate --dataflow)"

@@ -47,6 +47,10 @@ CONSEQUENCES = {
         "pipeline stages pass activations of different batches down the pipe"
     ),
     "pipeline neighbours": "activations reach a rank holding another shard",
+    "gradient-reduce peers load different batches": (
+        "ranks that average gradients were handed the same batch: each step trains on one "
+        "batch where the data-parallel degree promised several"
+    ),
     "partition": "some rank is in no group of this kind, or in two",
 }
 
@@ -90,6 +94,32 @@ def peers_with_different_local_rank(peers: Groups, reference: Groups, world_size
     values = local[peers.array]
     bad = (values != values[:, :1]).any(axis=1)
     return Groups.from_array(peers.array[bad])
+
+
+def same_batch_reducers(expected: Expected) -> Groups:
+    """Gradient-reduce groups in which two ranks load the same batch without being context
+    peers (which legitimately share a batch and split its sequences).
+
+    A rank's batch is its local rank in the data-parallel partition. Gradient reduction
+    averages over ranks that trained on different data: two members with the same batch and
+    the same context local rank computed the same gradient, so that part of the reduce buys
+    nothing (accelerate's ``DataLoaderDispatcher`` with TP + FSDP hands every rank rank 0's one
+    batch). Empty when the data-parallel kind does not partition the world.
+    """
+    world = expected.world_size
+    data_kind = expected.kind(expected.roles["data_parallel"])
+    if not data_kind.partition:
+        return Groups.from_array(np.empty((0, 1), dtype=np.int64))
+    batch = data_kind.groups().local_ranks(world)
+    reduce = expected.groups("gradient_reduce")
+    rows = reduce.array
+    keys = batch[rows]
+    if "context" in expected.roles and expected.kind(expected.roles["context"]).partition:
+        context = expected.groups("context").local_ranks(world)
+        keys = keys * world + context[rows]
+    ordered = np.sort(keys, axis=1)
+    bad = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1) if rows.shape[1] > 1 else []
+    return Groups.from_array(rows[np.asarray(bad, dtype=bool)] if len(bad) else rows[:0])
 
 
 def crossing_groups(groups: Groups, gpus_per_node: int) -> Groups:
@@ -185,6 +215,17 @@ def find_violations(expected: Expected) -> list[Violation]:
                         f"groups {format_groups(bad, 3)} load different batches",
                     )
                 )
+    if "data_parallel" in roles and "gradient_reduce" in roles:
+        bad = same_batch_reducers(expected)
+        if len(bad):
+            found.append(
+                Violation(
+                    "gradient-reduce peers load different batches",
+                    roles["gradient_reduce"],
+                    f"groups {format_groups(bad, 3)} hold ranks with the same data-parallel "
+                    f"rank in {roles['data_parallel']} that are not context-parallel peers",
+                )
+            )
     for problem in pipeline_neighbors_mismatch(expected):
         found.append(Violation("pipeline neighbours", roles["pipeline"], problem))
     return [replace(v, consequence=CONSEQUENCES.get(v.check, "")) for v in found]

@@ -41,9 +41,16 @@ def test_without_tp_the_trainer_builds_no_mesh_and_a_missing_wrapper_is_caught()
     assert "ended with different gradients" in (result.gradient_error or ""), str(result)
 
 
+def test_pipeline_stages_load_as_the_released_trainer_does() -> None:
+    """``pp_size=4`` at world 4: no TP, no accelerate mesh, so rank r loads as index r of 4
+    (the reference's data-parallel kind is the Trainer's loader, not the model's fsdp dim)."""
+    result = check_dataflow("transformers", 4, "threaded", pp_size=4)
+    assert result.passed, str(result)
+
+
 @pytest.mark.parametrize(
     ("config", "reason"),
-    [({"pp_size": 2, "tp_size": 2}, "without pipeline stages"), ({}, "every transformers size")],
+    [({"pp_size": 2, "tp_size": 2}, "no Trainer runs"), ({}, "every transformers size")],
     ids=str,
 )
 def test_layouts_the_recipe_does_not_train_are_refused_before_any_rank_runs(

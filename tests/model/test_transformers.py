@@ -37,7 +37,7 @@ def test_fsdp_tp_ep_world_8() -> None:
     assert exp.groups("expert:fsdp_mesh") == exp.groups("expert:efsdp")
     assert exp.groups("expert:pp") == exp.groups("expert:dp_replicate") == SINGLETONS
     assert dict(exp.roles) == {
-        "data_parallel": "fsdp_mesh",
+        "data_parallel": "trainer:dataloader_replica",  # the Trainer's loader, = fsdp_mesh here
         "gradient_reduce": "fsdp_mesh",
         "tensor": "tp",
         "expert": "expert:ep",
@@ -71,12 +71,8 @@ def test_pp_tp_world_8() -> None:
     # ep defaults to 1: the expert mesh has the dense mesh's ranks under other names.
     assert exp.groups("expert:efsdp") == exp.groups("tp")
     assert exp.groups("expert:ep") == SINGLETONS
-    assert dict(exp.roles) == {
-        "data_parallel": "fsdp_mesh",
-        "gradient_reduce": "fsdp_mesh",
-        "tensor": "tp",
-        "pipeline": "pp",
-    }
+    # No data_parallel role: accelerate refuses the Trainer's hand-off, so no Trainer loads.
+    assert dict(exp.roles) == {"gradient_reduce": "fsdp_mesh", "tensor": "tp", "pipeline": "pp"}
 
 
 def test_fsdp_only_has_no_trainer_mesh() -> None:
@@ -84,7 +80,8 @@ def test_fsdp_only_has_no_trainer_mesh() -> None:
     assert exp.groups("fsdp") == exp.groups("fsdp_mesh") == WORLD
     assert exp.groups("tp") == SINGLETONS
     assert set(exp.meshes) == {"expert"}
-    assert not any(name.startswith("trainer:") for name in exp.primary_kinds())
+    trainer = {name for name in exp.primary_kinds() if name.startswith("trainer:")}
+    assert trainer <= {"trainer:dataloader_replica", "trainer:dataloader_batch_peers"}  # loader
 
 
 def test_ep_over_the_whole_fsdp_world() -> None:
@@ -200,3 +197,35 @@ def test_trainer_refuses_pipeline_parallel_models() -> None:
     error = exp.unavailable()["trainer:tp"]
     assert "ParallelismConfig(tp_size=4, dp_shard_size=1)" in str(error)
     assert error.upstream == "ValueError"
+
+
+# -- the Trainer's loader and TrainingArguments(parallelism_config=...) ----------------------
+def test_pipeline_only_model_loads_as_index_r_of_the_world() -> None:
+    """``DistributedConfig(pp_size=8)``: no TP, so the released Trainer builds no accelerate
+    mesh and ``prepare_data_loader`` makes rank r index r of 8 (not index 0 of 1)."""
+    exp = hf(8, pp_size=8)
+    assert exp.roles["data_parallel"] == "trainer:dataloader_replica"
+    assert exp.groups("data_parallel") == WORLD
+    assert "trainer:tp" not in [*exp.kinds(), *exp.unavailable()]  # no mesh, only the loader
+
+
+def test_a_given_parallelism_config_is_the_trainers_mesh() -> None:
+    exp = hf(8, fsdp_size=8, parallelism_config={"dp_shard_size": 8})
+    assert exp.groups("trainer:dp_shard") == WORLD
+    tp = hf(8, tp_size=2, fsdp_size=4, parallelism_config={"tp_size": 2, "dp_shard_size": 4,
+                                                           "cp_backend": "torch"})  # fmt: skip
+    assert tp.groups("trainer:tp") == tp.groups("tp")
+
+
+def test_a_config_whose_sizes_the_trainer_overwrites_is_not_stated() -> None:
+    """accelerate's ``build_device_mesh`` reads the sizes ``__post_init__`` stored, not the
+    ``tp_size`` / ``dp_shard_size`` the Trainer sets afterwards."""
+    exp = hf(8, tp_size=2, fsdp_size=4, parallelism_config={})
+    assert "stale" in str(exp.unavailable()["trainer:tp"])
+    assert "data_parallel" not in exp.roles
+
+
+def test_a_refused_backend_key_leaves_the_trainer_unbuilt() -> None:
+    exp = hf(8, fsdp_size=8, parallelism_config={"dp_shard_size": 8, "cp_backend": "ring"})
+    error = exp.unavailable()["trainer:tp"]
+    assert error.upstream == "ValueError" and "cp_backend must be one of" in str(error)

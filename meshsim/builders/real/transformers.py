@@ -61,11 +61,11 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
         # DistributedConfig derives tp_size from env WORLD_SIZE when only tp_plan is given.
         os.environ["WORLD_SIZE"] = str(dist.get_world_size())
         with framework_refusals():
-            distributed_config = distributed.DistributedConfig(**config)
+            distributed_config = distributed.DistributedConfig(**_model_keys(config))
             _, _, manager = mixin.DistributedMixin.prepare_distribute_model(distributed_config)
         entries = _mesh_entries(manager, distributed_config)
         observed = collect(entries)
-        trainer_entries = _trainer_entries(trainer.Trainer, distributed_config)
+        trainer_entries = _trainer_entries(trainer.Trainer, distributed_config, config)
         if trainer_entries:
             observed = observed.merged(collect(trainer_entries))
         return observed
@@ -103,7 +103,7 @@ def training_meshes(config: Mapping[str, Any]) -> tuple[int, Any, Any]:
         warnings.simplefilter("ignore", FutureWarning)
         os.environ["WORLD_SIZE"] = str(dist.get_world_size())
         with framework_refusals():
-            distributed_config = distributed.DistributedConfig(**config)
+            distributed_config = distributed.DistributedConfig(**_model_keys(config))
             _, _, manager = mixin.DistributedMixin.prepare_distribute_model(distributed_config)
         if manager is None:
             return 1, lambda: (None, None), None
@@ -114,15 +114,21 @@ def training_meshes(config: Mapping[str, Any]) -> tuple[int, Any, Any]:
             grad = manager.get_mesh(("dp_replicate", "fsdp") if hsdp else "fsdp")
             return grad, manager.get_mesh("tp") if tp_size > 1 else None
 
-        mesh = _trainer_mesh(trainer.Trainer, distributed_config)
+        mesh = _trainer_mesh(trainer.Trainer, distributed_config, config)
         trainer_mesh = None if isinstance(mesh, Exception) else mesh
         return distributed_config.pp_size, model_meshes, trainer_mesh
 
 
-def _trainer_entries(trainer_class: Any, config: Any) -> dict[str, Entry]:
+def _model_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` less ``parallelism_config``, which is the Trainer's (TrainingArguments), not
+    ``DistributedConfig``'s."""
+    return {k: v for k, v in config.items() if k != "parallelism_config"}
+
+
+def _trainer_entries(trainer_class: Any, config: Any, keys: Mapping[str, Any]) -> dict[str, Entry]:
     """The mesh ``Trainer._build_accelerator_args``' ParallelismConfig makes, as ``trainer:*``;
     empty when the Trainer builds none (the model is not tensor parallel)."""
-    mesh = _trainer_mesh(trainer_class, config)
+    mesh = _trainer_mesh(trainer_class, config, keys)
     if mesh is None:
         return {}
     if isinstance(mesh, Exception):
@@ -139,7 +145,7 @@ def _trainer_entries(trainer_class: Any, config: Any) -> dict[str, Entry]:
     return entries
 
 
-def _trainer_mesh(trainer_class: Any, config: Any) -> Any:
+def _trainer_mesh(trainer_class: Any, config: Any, keys: Mapping[str, Any]) -> Any:
     """The device mesh of the ``ParallelismConfig`` ``Trainer._build_accelerator_args`` makes,
     as ``Accelerator.__init__`` builds and validates it: None when the Trainer makes no config,
     accelerate's exception where it refuses one."""
@@ -151,7 +157,7 @@ def _trainer_mesh(trainer_class: Any, config: Any) -> Any:
             ddp_bucket_cap_mb=None,
             ddp_broadcast_buffers=None,
             ddp_static_graph=None,
-            parallelism_config=None,
+            parallelism_config=_given_parallelism(keys.get("parallelism_config")),
             torch_compile_backend="inductor",
             torch_compile_mode=None,
         ),
@@ -213,3 +219,12 @@ def _loader_groups(mesh: Any) -> dict[str, Entry]:
         "trainer:dataloader_batch_peers": tuple(peers),
         "trainer:dataloader_replica": replica,
     }
+
+
+def _given_parallelism(given: Any) -> Any:
+    """``TrainingArguments.parallelism_config``: accelerate's ParallelismConfig of the dict."""
+    if not given:
+        return None
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(**given)

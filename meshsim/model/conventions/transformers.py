@@ -40,6 +40,8 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "enable_expert_parallel": "deprecated: without ep_size, ep_size = tp_size",
     "ep_plan": "expert-parallel plan: a dict or None (anything else is refused)",
     "fsdp_plan": "FSDP2 plan: a dict or None (anything else is refused)",
+    "parallelism_config": "TrainingArguments.parallelism_config, as a dict of accelerate "
+    "ParallelismConfig keys (None: the Trainer makes one only for a TP model)",
 }
 
 DENSE_DIMS: Final = ("pp", "dp_replicate", "fsdp", "tp")
@@ -85,9 +87,7 @@ def expect(world_size: int, **config: Any) -> Expected:
     kinds = _mesh_kinds(dense, "", "dense mesh", "fsdp")
     kinds += _mesh_kinds(expert, "expert:", "expert mesh", "efsdp")
     roles = {
-        # dp_size = dp_replicate * fsdp ranks see distinct batches; FSDP2 reduce-scatters over
-        # fsdp and all-reduces over dp_replicate on exactly that (sub-)mesh.
-        "data_parallel": "fsdp_mesh",
+        # FSDP2 reduce-scatters over fsdp and all-reduces over dp_replicate on that (sub-)mesh.
         "gradient_reduce": "fsdp_mesh",
     }
     # maybe_distribute_model applies PP, TP and EP (and FSDP2 on efsdp) only for sizes > 1.
@@ -99,12 +99,50 @@ def expect(world_size: int, **config: Any) -> Expected:
         roles["expert"] = "expert:ep"
         roles["expert_data"] = "expert:fsdp_mesh"
     meshes = {"expert": expert}
-    if tp > 1:  # Trainer._build_accelerator_args reads model.tp_size (= distributed_config.tp_size)
-        trainer_kinds, trainer_mesh = _trainer(world_size, tp, dp_replicate * fsdp)
-        kinds += trainer_kinds
-        if trainer_mesh is not None:
-            meshes["trainer"] = trainer_mesh
+    pc = config.get("parallelism_config")
+    trainer_kinds, trainer_mesh = _trainer(world_size, tp, dp_replicate * fsdp, pc)
+    kinds += trainer_kinds
+    if trainer_mesh is not None:
+        meshes["trainer"] = trainer_mesh
+    if any(k.name == "trainer:dataloader_replica" and k.available for k in trainer_kinds):
+        # The Trainer's loader is accelerate's prepare_data_loader: its replica is what decides
+        # the batch a rank loads (pp_size=8 at world 8: no mesh, so rank r is index r of 8).
+        roles["data_parallel"] = "trainer:dataloader_replica"
     return Expected("transformers", world_size, normal, kinds, roles, layout=dense, meshes=meshes)
+
+
+def trainer_parallelism(
+    tp: int, dp_size: int, pc: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The accelerate config ``Trainer._build_accelerator_args`` hands on (None: no
+    ParallelismConfig), or the LayoutError saying why meshsim cannot state its mesh.
+
+    A TP model sets ``tp_size`` and ``dp_shard_size`` on the ParallelismConfig it was given
+    after ``__post_init__``, which had already stored the sizes ``build_device_mesh`` reads
+    (``_sizes``): the mesh follows the new sizes only where they equal the given ones.
+    """
+    if pc is not None and not isinstance(pc, Mapping):
+        raise LayoutError(
+            f"parallelism_config must be a dict of ParallelismConfig keys, got {pc!r}"
+        )
+    given = dict(pc or {})
+    if tp == 1:
+        return given or None
+    stale = {
+        key: (given.get(key) or 1, size)
+        for key, size in (("tp_size", tp), ("dp_shard_size", dp_size))
+        if pc is not None and (given.get(key) or 1) != size
+    }
+    if stale:
+        said = ", ".join(f"{k}={old} (the Trainer sets {new})" for k, (old, new) in stale.items())
+        raise LayoutError(
+            f"the Trainer overwrites the given ParallelismConfig's {said} after __post_init__ "
+            "stored the sizes build_device_mesh reads, so the mesh is built from the stale "
+            "sizes and does not cover the world; meshsim does not state that mesh (give the "
+            "model's tp_size and dp_shard_size = dp_replicate_size * fsdp_size)",
+            upstream=None,
+        )
+    return {**given, "tp_size": tp, "dp_shard_size": dp_size}
 
 
 def resolve(world_size: int, config: Mapping[str, Any]) -> dict[str, int]:
@@ -199,28 +237,37 @@ def _mesh_kinds(root: Layout, prefix: str, where: str, shard: str) -> list[Kind]
     return kinds
 
 
-def _trainer(world_size: int, tp: int, dp_size: int) -> tuple[list[Kind], Layout | None]:
-    """The Trainer's hand-off: ``ParallelismConfig(tp_size=tp, dp_shard_size=dp_size)`` as
-    meshsim's accelerate convention models it (its rules are not restated here), kinds
-    re-prefixed ``trainer:``. Accelerate refusing it (pipeline parallelism leaves
-    ``tp * dp_size`` short of the world) makes the trainer kinds unavailable, not the config:
-    the model itself loads and runs."""
+def _trainer(
+    world_size: int, tp: int, dp_size: int, pc: Mapping[str, Any] | None = None
+) -> tuple[list[Kind], Layout | None]:
+    """The Trainer's hand-off to accelerate, as meshsim's accelerate convention models it (its
+    rules are not restated here), kinds re-prefixed ``trainer:``: the ParallelismConfig of
+    :func:`trainer_parallelism`. Without one accelerate builds no mesh and only the loader's
+    kinds are kept (``prepare_data_loader`` over every process; the model was sharded at load
+    time, so accelerate wraps nothing). Accelerate refusing the config (pipeline parallelism
+    leaves ``tp * dp_size`` short of the world) makes the trainer kinds unavailable, not the
+    config: the model itself loads and runs."""
     from meshsim.model.conventions import accelerate
 
     try:
+        handed = trainer_parallelism(tp, dp_size, pc)
         # transformers shards the model itself at load time; the job is launched without an
         # accelerate FSDP plugin, so the Accelerator is a multi-GPU (DDP-type) one.
-        built = accelerate.expect(
-            world_size, tp_size=tp, dp_shard_size=dp_size, distributed_type="MULTI_GPU"
-        )
+        built = accelerate.expect(world_size, **(handed or {}), distributed_type="MULTI_GPU")
     except LayoutError as error:
+        what = f"ParallelismConfig({_call_args(pc, tp, dp_size)})"
         refusal = LayoutError(
-            f"Trainer hands accelerate ParallelismConfig(tp_size={tp}, dp_shard_size={dp_size}) "
-            f"and accelerate refuses it: {error}",
+            f"Trainer hands accelerate {what} and it is not built: {error}",
             upstream=error.upstream,
         )
-        return [Kind("trainer:tp", "Trainer's accelerate mesh: not built", refusal)], None
+        names = ("tp", "dataloader_replica", "dataloader_batch_peers")
+        kinds = [
+            Kind("trainer:" + n, "Trainer's accelerate mesh: not built", refusal) for n in names
+        ]
+        return kinds, None
     names = [*built.kinds(), *built.unavailable()]
+    if handed is None:
+        names = ["dataloader_replica", "dataloader_batch_peers"]
     kinds = [
         dataclasses.replace(
             built.kind(name),
@@ -232,6 +279,13 @@ def _trainer(world_size: int, tp: int, dp_size: int) -> tuple[list[Kind], Layout
         for name in names
     ]
     return kinds, built.layout
+
+
+def _call_args(pc: Mapping[str, Any] | None, tp: int, dp_size: int) -> str:
+    sizes = dict(pc or {}) if isinstance(pc, Mapping) else {}
+    if tp > 1:
+        sizes.update(tp_size=tp, dp_shard_size=dp_size)
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def _undistributed(world_size: int, config: Mapping[str, Any]) -> Expected:
