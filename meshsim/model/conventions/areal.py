@@ -18,6 +18,8 @@ Ranks outside the grid hold none. A process finds its coordinate from its rank i
 process group (its index among the model's world ranks, ascending), so under a ``rank_mapping``
 that breaks rank order a process is handed the group of another coordinate, and holds it only
 when that group happens to hold it too: :func:`order_breaks` lists who loses which group.
+This is a legacy line: realhf was removed from AReaL's main branch in January 2026 (AReaL PR
+806); ``areal-fsdp`` and ``areal-archon`` model the current one.
 """
 
 from __future__ import annotations

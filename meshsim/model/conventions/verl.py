@@ -25,7 +25,10 @@ concatenated from the collecting workers in global-rank order (kind ``collect``,
 Gradient reduction (kind ``fsdp_reduce``) follows torch: FSDP2 and FSDP1's FULL_SHARD /
 HYBRID_SHARD reduce over the whole FSDP mesh, but FSDP1 clamps HYBRID_SHARD to NO_SHARD when
 its shard group has one rank (``fsdp_size=1``) and then reduces over that one rank only
-(verl#7493, closed without a fix; ``get_sharding_strategy`` still picks HYBRID_SHARD).
+(known and declined upstream: verl#7493 and PR #7494 were closed, ``fsdp_size=1`` not being an
+expected size; ``get_sharding_strategy`` still picks HYBRID_SHARD). The torchtitan engine's
+data rank is the ``loss`` mesh's (``batch`` x ``cp``) while its data size is the batch alone
+(unreported upstream; docs/findings.md).
 """
 
 from __future__ import annotations
