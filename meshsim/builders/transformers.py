@@ -45,9 +45,7 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
     entries["expert:fsdp_mesh"] = expert[_fsdp_dims(dp_replicate, "efsdp")]
     observed = collect(entries)
     pc = config.get("parallelism_config")
-    if tp > 1 or pc:
-        observed = observed.merged(_trainer(world_size, tp, dp_replicate * fsdp, pc))
-    return observed
+    return observed.merged(_trainer(world_size, tp, dp_replicate * fsdp, pc))
 
 
 def meshes(world_size: int, config: Mapping[str, Any]) -> dict[str, DeviceMesh]:
@@ -121,11 +119,14 @@ def _trainer(world_size: int, tp: int, dp_size: int, pc: Any = None) -> Observat
         return Observation(
             dist.get_rank(), world_size, str(dist.get_backend()), {}, absent=("trainer:tp",)
         )
+    # Without a ParallelismConfig accelerate builds no mesh: only its loader is the Trainer's.
+    kept = (lambda n: n.startswith("dataloader_")) if not handed else (lambda n: True)
     groups = {
         "trainer:" + name: dataclasses.replace(view, name="trainer:" + name)
         for name, view in built.groups.items()
+        if kept(name)
     }
-    absent = tuple("trainer:" + name for name in built.absent)
+    absent = tuple("trainer:" + name for name in built.absent if kept(name))
     return Observation(built.rank, built.world_size, built.backend, groups, absent=absent)
 
 

@@ -129,8 +129,8 @@ def _trainer_entries(trainer_class: Any, config: Any, keys: Mapping[str, Any]) -
     """The mesh ``Trainer._build_accelerator_args``' ParallelismConfig makes, as ``trainer:*``;
     empty when the Trainer builds none (the model is not tensor parallel)."""
     mesh = _trainer_mesh(trainer_class, config, keys)
-    if mesh is None:
-        return {}
+    if mesh is None:  # no ParallelismConfig: accelerate's loader over every process, no mesh
+        return _loader_groups(None)
     if isinstance(mesh, Exception):
         return {"trainer:tp": mesh}
     entries: dict[str, Entry] = {}

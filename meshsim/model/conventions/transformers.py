@@ -260,11 +260,7 @@ def _trainer(
             f"Trainer hands accelerate {what} and it is not built: {error}",
             upstream=error.upstream,
         )
-        names = ("tp", "dataloader_replica", "dataloader_batch_peers")
-        kinds = [
-            Kind("trainer:" + n, "Trainer's accelerate mesh: not built", refusal) for n in names
-        ]
-        return kinds, None
+        return [Kind("trainer:tp", "Trainer's accelerate mesh: not built", refusal)], None
     names = [*built.kinds(), *built.unavailable()]
     if handed is None:
         names = ["dataloader_replica", "dataloader_batch_peers"]
