@@ -36,15 +36,53 @@ def assert_layout(
     observation (a collective: call it on all ranks). Called in the parent with the list
     ``meshsim.run`` returned, it compares them directly. Returns what it compared.
     """
+    observations, names = _check_arguments(observations, expected, kinds)
     observed = (
         gather(observations)
         if isinstance(observations, Observation)
         else ObservedLayout.of(observations)
     )
-    found = diff(observed, expected, kinds)
+    found = diff(observed, expected, names)
     if found is not None:
         raise LayoutMismatch(found)
     return observed
+
+
+def _check_arguments(
+    observations: Any, expected: object, kinds: object
+) -> tuple[Any, list[str] | None]:
+    """Refuse arguments of the wrong kind with a UsageError naming them, before anything is
+    gathered (a TypeError deep inside the diff would name none of them). Returns the
+    observations (an iterator read into a list) and ``kinds`` as a list (one name given as a
+    string is one kind, not its letters)."""
+    from meshsim.errors import UsageError
+
+    if not isinstance(expected, Expected):
+        raise UsageError(
+            f"assert_layout's expected must be a meshsim.Expected (from meshsim.expect), got "
+            f"{type(expected).__name__} {expected!r:.60}"
+        )
+    if not isinstance(observations, (Observation, ObservedLayout)):
+        if isinstance(observations, (str, bytes)) or not isinstance(observations, Iterable):
+            raise UsageError(
+                "assert_layout takes an Observation (meshsim.observe), a list of them or an "
+                f"ObservedLayout, got {type(observations).__name__} {observations!r:.60}"
+            )
+        observations = list(observations)
+        wrong = sorted({type(o).__name__ for o in observations if not isinstance(o, Observation)})
+        if wrong:
+            raise UsageError(
+                f"assert_layout takes Observation objects (from meshsim.observe), got {wrong}"
+            )
+    if kinds is None:
+        return observations, None
+    names = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(names, Iterable):
+        raise UsageError(f"kinds must be kind or role names (strings), got {kinds!r}")
+    names = list(names)
+    if not all(isinstance(k, str) for k in names):
+        raise UsageError(f"kinds must be kind or role names (strings), got {kinds!r}")
+    return observations, names
 
 
 def assert_within_nodes(

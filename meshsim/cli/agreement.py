@@ -116,6 +116,7 @@ def _report(args: argparse.Namespace, names: Sequence[str], found: list[Disagree
         render.print_json(
             {
                 "verb": "meshes",
+                "schema_version": render.JSON_SCHEMA_VERSION,
                 "exit_code": code,
                 "framework": args.framework,
                 "world_size": args.world_size,

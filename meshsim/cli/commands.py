@@ -40,8 +40,11 @@ def show(args: argparse.Namespace) -> int:
         args.framework, args.world_size, **_config(args, args.framework, args.world_size)
     )
     rows = render.kind_rows(expected, args.gpus_per_node)
-    if args.kinds:
-        wanted = {expected.kind(k.strip()).name for k in args.kinds.split(",") if k.strip()}
+    if args.kinds:  # --kinds repeats: every occurrence adds its kinds
+        names = [k.strip() for text in args.kinds for k in text.split(",") if k.strip()]
+        if not names:
+            raise UsageError(f"--kinds takes kind or role names, got {args.kinds[-1]!r}")
+        wanted = {expected.kind(name).name for name in names}
     elif args.all_kinds:
         wanted = set(expected.kinds()) | set(expected.unavailable())
     else:
@@ -76,10 +79,11 @@ def show(args: argparse.Namespace) -> int:
                 write(page, path)
                 out.print(f"wrote {path} ({len(page.panels)} panels)")
     if args.json:
-        report = render.show_json(expected, rows, args.gpus_per_node, wanted)
+        report = render.show_json(expected, rows, args.gpus_per_node, wanted, args.first)
         render.print_json(
             {
                 "verb": "show",
+                "schema_version": render.JSON_SCHEMA_VERSION,
                 "exit_code": 0,
                 **report,
                 "kinds_hidden": hidden,
@@ -109,31 +113,7 @@ def show(args: argparse.Namespace) -> int:
 # -- diff ---------------------------------------------------------------------------------------
 def diff(args: argparse.Namespace) -> int:
     world = args.world_size
-    (fa, only_a), (fb, only_b) = cf.split_spec(args.a), cf.split_spec(args.b)
-    degrees = cf.shared_degrees(args)
-    common: dict[str, Any] = {}
-    for key, value in cf.native_settings(args).items():
-        degree = cf.degree_of(fa, key) or cf.degree_of(fb, key)
-        if degree is not None:
-            degrees.setdefault(degree, value)
-        elif key in cf.parameters(fa) or key in cf.parameters(fb):
-            common[key] = value
-        else:
-            raise UsageError(f"neither {fa} nor {fb} takes config key {key!r}")
-    sides = []
-    for framework, spec, sets, order in (
-        (fa, only_a, args.a_set, args.a_order),
-        (fb, only_b, args.b_set, args.b_order),
-    ):
-        params = cf.parameters(framework)
-        config = cf.translate(framework, world, degrees) if degrees else {}
-        config.update({k: v for k, v in common.items() if k in params})
-        config.update(spec)
-        config.update(dict(cf.parse_setting(s, framework) for s in sets))
-        if order is not None:
-            config["order"] = order
-        sides.append(expect(framework, world, **config))
-    a, b = sides
+    a, b = _diff_sides(args)
     roles = compare_roles(a, b)
     kinds = compare_kinds(a, b) if a.framework == b.framework else []
     if not [c for c in roles + kinds if c.shape_a is not None and c.shape_b is not None]:
@@ -147,6 +127,7 @@ def diff(args: argparse.Namespace) -> int:
         render.print_json(
             {
                 "verb": "diff",
+                "schema_version": render.JSON_SCHEMA_VERSION,
                 "exit_code": 1 if differ else 0,
                 "world_size": world,
                 "a": {"framework": a.framework, "config": dict(a.config)},
@@ -181,6 +162,65 @@ def diff(args: argparse.Namespace) -> int:
     else:
         out.print(f"[green]A and B put the same ranks together for all {len(shared)} shared {what}")
     return 1 if differ else 0
+
+
+def _diff_sides(args: argparse.Namespace) -> tuple[Expected, Expected]:
+    """A's and B's references. Config reaches a side from five places (shared degrees, a
+    framework's own flags, ``A:key=value``, ``--a-set``, ``--a-order``); two of them setting one
+    key to different values is refused, naming both, never resolved silently (a dropped
+    ``--a-set`` once made A equal B and the diff a vacuous pass)."""
+    world = args.world_size
+    (fa, only_a), (fb, only_b) = cf.split_spec(args.a), cf.split_spec(args.b)
+    degrees = cf.shared_degrees(args)
+    said = {d: f"{cf.flag(d)} {v}" for d, v in degrees.items()}
+    native = cf.native_settings(args)
+    common: dict[str, Any] = {}
+    for key, value in native.items():
+        degree = cf.degree_of(fa, key) or cf.degree_of(fb, key)
+        if degree is not None:
+            if degree in degrees and degrees[degree] != value:
+                raise UsageError(
+                    f"{said[degree]} and {native.written(key)} set the same degree to different "
+                    "values; give one of them"
+                )
+            degrees[degree] = value
+            said[degree] = native.written(key)
+        elif key in cf.parameters(fa) or key in cf.parameters(fb):
+            common[key] = value
+        else:
+            raise UsageError(f"neither {fa} nor {fb} takes config key {key!r}")
+    sides = []
+    for side, framework, spec, sets, order in (
+        ("A", fa, only_a, args.a_set, args.a_order),
+        ("B", fb, only_b, args.b_set, args.b_order),
+    ):
+        params = cf.parameters(framework)
+        config = cf.translated(framework, world, degrees, said, owner=f"{framework} ({side})")
+        for key, value in common.items():
+            if key in params:
+                config.put(key, value, *native.source(key))
+        for key, value in spec.items():
+            config.put(key, value, f"{side}:", f"{side}'s :{key}={value}")
+        flag = f"--{side.lower()}-set"
+        for text in sets:
+            key, value = cf.parse_setting(text, framework)
+            config.put(key, value, flag, f"{flag} {text}")
+        if order is not None:
+            if "order" not in params:
+                raise UsageError(
+                    f"--{side.lower()}-order: {framework} ({side}) has no order parameter; "
+                    f"its keys: {', '.join(params)}"
+                )
+            config.put("order", order, f"--{side.lower()}-order", f"--{side.lower()}-order {order}")
+        sides.append(expect(framework, world, **config))
+    a, b = sides
+    if a.framework == b.framework and dict(a.config) == dict(b.config):
+        raise UsageError(
+            f"A and B are the same {a.framework} config ({render.config_text(a.config)}), so "
+            "they agree by construction; give one side its own setting (B:key=value, --b-set "
+            "KEY=VALUE, --b-order)"
+        )
+    return a, b
 
 
 def _comparison_table(what: str, comparisons: list[Comparison]) -> Table:
@@ -221,7 +261,13 @@ def torchrun_env() -> tuple[int, int] | None:
     gloo/nccl tiers on the job's own processes instead of spawning ranks.
     """
     if all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise UsageError(
+                f"torchrun's RANK={os.environ['RANK']!r} and WORLD_SIZE="
+                f"{os.environ['WORLD_SIZE']!r} must be integers"
+            ) from None
     return None
 
 
@@ -260,6 +306,7 @@ def verify(args: argparse.Namespace) -> int:
         if not quiet:
             report = {
                 "verb": "verify",
+                "schema_version": render.JSON_SCHEMA_VERSION,
                 "exit_code": 0 if passed else 1,
                 **result_json(result),
                 # Defaults filled in, so a defaulted key that picks a line (megatron-deepspeed's
@@ -472,10 +519,17 @@ def convention_catalogue(frameworks: list[str], world_size: int) -> list[dict[st
 
 def list_conventions(args: argparse.Namespace) -> int:
     world = 8
-    catalogue = convention_catalogue(args.frameworks or _all_frameworks(), world)
+    names = list(dict.fromkeys(args.frameworks)) or _all_frameworks()  # each once
+    catalogue = convention_catalogue(names, world)
     if args.json:
         render.print_json(
-            {"verb": "list", "exit_code": 0, "world_size": world, "conventions": catalogue}
+            {
+                "verb": "list",
+                "schema_version": render.JSON_SCHEMA_VERSION,
+                "exit_code": 0,
+                "world_size": world,
+                "conventions": catalogue,
+            }
         )
         return 0
     out = render.console()

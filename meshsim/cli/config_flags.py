@@ -203,22 +203,61 @@ def _targets(frameworks: Sequence[str], degree: str) -> str:
     return "; ".join(parts)
 
 
-def native_settings(namespace: argparse.Namespace) -> dict[str, Any]:
-    """Framework-parameter flags that were given, parsed."""
-    out: dict[str, Any] = {}
+class Settings(dict[str, Any]):
+    """Config values, each remembering the flag that set it.
+
+    Two *different* flags that set one key to different values are refused, naming both
+    (``--order X --set order=Y``): argparse would keep whichever came last and drop the other
+    silently. The same flag repeated keeps its last value, as argparse does; a value with no
+    flag (``flag=None``: a default a translation filled in) gives way to any flag.
+    """
+
+    def __init__(self, owner: str = "") -> None:
+        super().__init__()
+        self.owner = owner  # "megatron", or "megatron (B)" in a diff
+        self.flags: dict[str, tuple[str | None, str]] = {}  # key -> (flag, as written)
+
+    def put(self, key: str, value: Any, flag: str | None, written: str) -> None:
+        before = self.flags.get(key)
+        if before is not None and before[0] not in (None, flag) and self[key] != value:
+            where = f"{self.owner} " if self.owner else ""
+            raise UsageError(
+                f"{before[1]} and {written} set the same {where}parameter {key!r} to different "
+                "values; give one of them"
+            )
+        self[key] = value
+        self.flags[key] = (flag, written)
+
+    def written(self, key: str) -> str:
+        """How the flag that set ``key`` was written (``--set order=tp-dp-pp``)."""
+        return self.flags[key][1] if key in self.flags else f"{flag(key)} {self[key]}"
+
+    def source(self, key: str) -> tuple[str | None, str]:
+        return self.flags.get(key, (flag(key), self.written(key)))
+
+
+def native_settings(namespace: argparse.Namespace) -> Settings:
+    """Framework-parameter flags (``--order``) and ``--set`` items that were given, parsed;
+    a flag and a ``--set`` of one key must agree."""
+    out = Settings()
     for dest, value in vars(namespace).items():
         if dest.startswith(_PREFIX) and value is not None:
             key = dest[len(_PREFIX) :]
-            out[key] = tuple(value) if key in LIST_KEYS else parse_value(value)
-            if key in TUPLE_KEYS and not isinstance(out[key], tuple):
-                out[key] = (out[key],)
+            parsed = tuple(value) if key in LIST_KEYS else parse_value(value)
+            if key in TUPLE_KEYS and not isinstance(parsed, tuple):
+                parsed = (parsed,)
+            text = " ".join(value) if key in LIST_KEYS else value
+            out.put(key, parsed, flag(key), f"{flag(key)} {text}")
     for text in namespace.settings:
         key, value = parse_setting(text)
-        if key in LIST_KEYS and key in out:
-            value = (*out[key], value)
-        elif key in LIST_KEYS:
+        if key in LIST_KEYS:  # list items accumulate, whichever flag gives them
+            value = (*out.get(key, ()), value)
+            out[key] = value
+            out.flags[key] = ("--set", f"--set {text}")
+            continue
+        if key in TUPLE_KEYS and not isinstance(value, tuple):
             value = (value,)
-        out[key] = value
+        out.put(key, value, "--set", f"--set {text}")
     return out
 
 
@@ -239,15 +278,35 @@ def config_for(
     A shared degree and the framework's own flag for the same parameter must agree
     (``--tp 2 --tensor-model-parallel-size 4`` is refused, naming both flags).
     """
-    config = translate(framework, world_size, degrees) if degrees else {}
+    config = translated(framework, world_size, degrees)
     for key, value in native.items():
-        degree = degree_of(framework, key)
-        if degree in degrees and config.get(key, value) != value:
-            raise UsageError(
-                f"{flag(degree)} {degrees[degree]} and {flag(key)} {value} set the same "
-                f"{framework} parameter {key!r} to different values; give one of them"
-            )
-    config.update(native)
+        source = native.source(key) if isinstance(native, Settings) else (flag(key), flag(key))
+        config.put(key, value, *source)
+    return dict(config)
+
+
+def translated(
+    framework: str,
+    world_size: int,
+    degrees: Mapping[str, int],
+    written: Mapping[str, str] | None = None,
+    owner: str | None = None,
+) -> Settings:
+    """:func:`translate` as :class:`Settings`: each translated parameter remembers the degree
+    flag behind it (``written``: degree -> how it was given, default ``--tp 2``); what the
+    translation fills in besides (OLMo-core's ``dp=fsdp``) is a default any flag overrides."""
+    config = Settings(framework if owner is None else owner)
+    if not degrees:
+        return config
+    said = {d: (written or {}).get(d, f"{flag(d)} {v}") for d, v in degrees.items()}
+    behind = {native_key(framework, d): d for d in degrees} if framework != "torch" else {}
+    for key, value in translate(framework, world_size, degrees).items():
+        if framework == "torch":  # the whole mesh comes from the degrees given
+            config.put(key, value, "degrees", " ".join(said.values()))
+        elif key in behind:
+            config.put(key, value, flag(behind[key]), said[behind[key]])
+        else:
+            config.put(key, value, None, f"{key}={value} (filled in)")
     return config
 
 
@@ -287,6 +346,8 @@ def translate(framework: str, world_size: int, degrees: Mapping[str, int]) -> di
 def _check_dp(framework: str, world_size: int, degrees: Mapping[str, int]) -> None:
     """A given dp (or HSDP split) must be what the other degrees leave of the world."""
     model = math.prod(degrees.get(d, 1) for d in ("tp", "cp", "pp"))
+    if model <= 0:
+        return  # a degree below 1: the framework's own rule refuses it (or reads 0 its way)
     dp = world_size / model
     checks = [("dp", degrees.get("dp"), dp)]
     if "dp_replicate" in degrees and "dp_shard" in degrees:
@@ -311,6 +372,9 @@ def _torch_mesh(world_size: int, degrees: Mapping[str, int]) -> dict[str, Any]:
     if extra:
         raise LayoutError(f"the torch convention has no {', '.join(extra)} degree")
     tp, cp, pp = (degrees.get(d, 1) for d in ("tp", "cp", "pp"))
+    small = [f"{flag(d)} {degrees[d]}" for d in ("tp", "cp", "pp") if degrees.get(d, 1) < 1]
+    if small:
+        raise LayoutError(f"{', '.join(small)}: every torch mesh dim must have size >= 1")
     if world_size % (tp * cp * pp):
         raise LayoutError(
             f"world size {world_size} is not divisible by tp·cp·pp = {tp}·{cp}·{pp} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import sys
@@ -12,6 +13,7 @@ from typing import NoReturn
 from meshsim import options
 from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
+from meshsim.cli import outputs
 from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
 
 VERBS = ("show", "diff", "verify", "sweep", "meshes", "list")
@@ -23,8 +25,9 @@ _BOOLEAN_FLAGS = frozenset(
 
 EPILOG = """\
 FRAMEWORK's own config flags are listed by: meshsim VERB FRAMEWORK --help (or meshsim list)
---json on every verb: stdout is one JSON object (tables and progress go to stderr) with at least
-"verb" and "exit_code"; sweep's --json FILE writes the same object to FILE instead.
+--json on every verb: stdout is one JSON object (tables and progress go to stderr) with "verb",
+"schema_version" and "exit_code", as meshsim/cli/schemas/VERB.json describes; sweep's --json FILE
+writes the same object to FILE instead.
 exit codes: 0 ok (diff: layouts agree on every shared role), 1 mismatch (diff: they differ),
 2 bad input (unknown framework or flag, invalid config: one line on stderr)."""
 
@@ -146,7 +149,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     _json(show)
     show.add_argument("--no-grid", action="store_true", help="table only, no rank grids")
-    show.add_argument("--kinds", metavar="K,K", help="only these kinds (or roles), comma separated")
+    show.add_argument(
+        "--kinds",
+        action="append",
+        metavar="K,K",
+        help="only these kinds (or roles), comma separated (repeatable: the kinds add up)",
+    )
     show.add_argument(
         "--all-kinds",
         action="store_true",
@@ -372,44 +380,95 @@ def _frameworks() -> list[str]:
 def _unknown_flags(
     parser: argparse.ArgumentParser, extras: Sequence[str], words: Sequence[str]
 ) -> NoReturn:
-    known = [o for a in _all_actions(parser) for o in a.option_strings]
+    """One line for the first flag the verb does not take, with a hint from *this verb's*
+    flags only: a flag of another verb (``show --backend``) says which verbs take it, never
+    "did you mean --backend?"."""
     flags = [e for e in extras if e.startswith("-") and not _is_number(e)]
     first = (flags or list(extras))[0].split("=")[0]
+    verbs = _verb_parsers(parser)
+    verb = words[0] if words and words[0] in verbs else None
+    own = verbs[verb] if verb else parser
+    known = [o for a in own._actions for o in a.option_strings]
+    others = [
+        name
+        for name, sub in verbs.items()
+        if name != verb and any(first in a.option_strings for a in sub._actions)
+    ]
     close = difflib.get_close_matches(first, known, n=1, cutoff=0.75)
-    hint = f"; did you mean {close[0]}?" if close else ""
+    if verb and others and first.startswith("--"):
+        hint = f"; {verb} takes no {first} ({', '.join(others)} do)"
+    elif close:
+        hint = f"; did you mean {close[0]}?"
+    else:
+        hint = ""
     _fail(f"unrecognized argument {first!r}{hint} (see meshsim {' '.join(words)} --help)")
 
 
-def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    actions = list(parser._actions)
+def _verb_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                actions += sub._actions
-    return actions
+            return dict(action.choices)
+    return {}
 
 
-#: Options that name a file the verb writes (``--json`` only where it takes a FILE).
-_OUTPUTS = (("svg", "--svg"), ("png", "--png"), ("json", "--json"), ("junit_xml", "--junit-xml"))
+#: Pairs of flags that choose one thing: given together, one would be ignored.
+_EXCLUSIVE = (
+    ("kinds", "--kinds", "all_kinds", "--all-kinds", "the kinds shown"),
+    ("cross_check", "--cross-check", "backend", "--backend", "the tiers a sweep runs"),
+    ("cross_check", "--cross-check", "communicate", "--communicate", "the tiers a sweep runs"),
+)
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Refuse an output path that cannot be written before any work starts (a sweep takes
-    minutes: finding a typo in ``--json`` at its end loses them)."""
-    for attr, flag in _OUTPUTS:
-        path = getattr(args, attr, None)
-        if not isinstance(path, str) or path == "-":
-            continue
-        target = os.path.abspath(path)
-        folder = os.path.dirname(target)
-        if os.path.isdir(target):
-            raise UsageError(f"{flag} {path}: is a directory; give a file name")
-        if not os.path.isdir(folder):
-            raise UsageError(f"{flag} {path}: the directory {folder} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise UsageError(f"{flag} {path}: the directory {folder} is not writable")
-        if os.path.exists(target) and not os.access(target, os.W_OK):
-            raise UsageError(f"{flag} {path}: the file is not writable")
+def _check_exclusive(args: argparse.Namespace) -> None:
+    for first, first_flag, second, second_flag, what in _EXCLUSIVE:
+        if getattr(args, first, None) and getattr(args, second, None):
+            raise UsageError(
+                f"{first_flag} and {second_flag} both choose {what}, and one would be ignored; "
+                "give one of them"
+            )
+
+
+def _check_tier(args: argparse.Namespace) -> None:
+    """Refuse a tier the machine or the framework cannot run, before any rank starts: nccl
+    without a GPU per rank (found in seconds, not after a pool boots), and megatron's own code
+    on the fake tier (its gloo groups hit an internal torch assertion there)."""
+    backend = getattr(args, "backend", None)
+    if args.verb not in ("verify", "sweep") or backend is None:
+        return
+    world = args.world_size
+    if world is not None and not (args.verb == "sweep" and args.cross_check):
+        from meshsim.harness.api import _check_world_size
+
+        _check_world_size(world, backend)  # the tier's own limit (MESHSIM_MAX_WORLD_SIZE)
+    if backend == "nccl" and world is not None:
+        from meshsim.harness.nccl import gpu_count
+
+        found = gpu_count()
+        if found < world:
+            raise NotEnoughGPUs(
+                f"--backend nccl with --world-size {world} needs {world} GPUs (one per rank) "
+                f"but this machine has {found}; use --backend gloo or threaded"
+            )
+    if backend == "fake" and args.real:
+        if args.verb == "verify":
+            gloo = cf.native_settings(args).get("create_gloo_process_groups", True)
+            megatron = args.framework == "megatron" and gloo
+        else:  # a sweep's megatron layouts keep megatron's default, gloo groups on
+            megatron = "megatron" in (args.frameworks or ["megatron"])
+        if megatron:
+            raise UsageError(
+                "--real --backend fake: megatron's own code creates gloo process groups "
+                "(create_gloo_process_groups=True), which the fake backend cannot make: torch "
+                "fails with an internal assertion; use --backend gloo or threaded (verify: or "
+                "--set create_gloo_process_groups=false)"
+            )
+
+
+def _silence_stdout() -> None:
+    """After a failed write to stdout, point it at /dev/null: the interpreter's final flush
+    of what is still buffered must not fail again with a traceback."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -422,23 +481,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             words = _positionals(args_in)
             _unknown_flags(parser, extras, words[: 3 if words[:1] == ["diff"] else 2])
         if args.verb is None:
-            parser.print_help()
-            return 2
-        _check_outputs(args)
+            _fail(f"give a verb: one of {', '.join(VERBS)} (see meshsim --help)")
+        # Every check that needs no work runs here, before the verb starts any.
+        options.check_environment()
+        _check_exclusive(args)
+        outputs.check(args)
+        _check_tier(args)
         run: Callable[[argparse.Namespace], int] = args.run
-        return run(args)
+        code = run(args)
+        sys.stdout.flush()  # a full disk or closed pipe is reported here, not at exit
+        return code
     except (LayoutError, UsageError, NotEnoughGPUs) as exc:
         _fail(" ".join(str(exc).split()) or type(exc).__name__)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
-        if exc.filename is None:
-            raise
-        _fail(f"cannot write {exc.filename}: {exc.strerror}")
     except KeyboardInterrupt:
         sys.stderr.write("meshsim: interrupted\n")
         return 130
     except BrokenPipeError:  # `meshsim show ... | head`: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence_stdout()
         return 0
+    except OSError as exc:  # a report that could not be written: a full disk, a missing folder
+        if exc.errno is None:
+            raise
+        if exc.filename is None:
+            _silence_stdout()
+        where = "standard output" if exc.filename is None else exc.filename
+        _fail(f"cannot write {where}: {exc.strerror or exc}")
 
 
 __all__ = ["build_parser", "main"]

@@ -253,9 +253,11 @@ def _svg_label(t: Label) -> str:
 
 
 def write_svg(page: Scene, path: str | Path) -> Path:
-    target = Path(path)
-    target.write_text(to_svg(page), encoding="utf-8")
-    return target
+    from meshsim.cli import outputs
+
+    text = to_svg(page)
+    outputs.write(str(path), lambda stream: stream.write(text))
+    return Path(path)
 
 
 def write_png(page: Scene, path: str | Path, dpi: int = 100) -> Path:
@@ -304,7 +306,14 @@ def write_png(page: Scene, path: str | Path, dpi: int = 100) -> Path:
                 va="baseline",
                 fontweight="bold" if item.bold else "normal",
             )
-    target = Path(path)
-    fig.savefig(target, dpi=dpi, facecolor="white")
-    plt.close(fig)
-    return target
+    from meshsim.cli import outputs
+
+    try:
+        outputs.write(
+            str(path),
+            lambda stream: fig.savefig(stream, format="png", dpi=dpi, facecolor="white"),
+            binary=True,
+        )
+    finally:
+        plt.close(fig)
+    return Path(path)

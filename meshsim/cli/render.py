@@ -23,6 +23,12 @@ from meshsim.model.invariants import crossing_groups
 
 #: Worlds above this print no text grid (``--svg`` draws them).
 GRID_LIMIT = 512
+#: Worlds above this list only the first ``--first`` groups of each kind in ``show --json``
+#: (``groups_complete`` says so): every group of a million ranks is tens of MB of JSON.
+JSON_GROUPS_LIMIT = 1 << 16
+#: The version of every verb's ``--json`` document (``meshsim/cli/schemas/VERB.json``
+#: describes each): raised when a field changes meaning or goes away, not when one is added.
+JSON_SCHEMA_VERSION = 1
 
 
 class _Console(Console):
@@ -51,7 +57,9 @@ class KindRow:
     partition: bool
     crossing: int | None  # groups spanning more than one node; None without --gpus-per-node
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, first: int | None = None) -> dict[str, Any]:
+        """``first``: list only that many groups (None: all)."""
+        listed = self.groups.array if first is None else self.groups.array[:first]
         out: dict[str, Any] = {
             "name": self.name,
             "description": self.description,
@@ -59,7 +67,8 @@ class KindRow:
             "num_groups": len(self.groups),
             "group_size": self.groups.group_size,
             "partition": self.partition,
-            "groups": self.groups.array.tolist(),
+            "groups": listed.tolist(),
+            "groups_complete": len(listed) == len(self.groups),
         }
         if self.crossing is not None:
             out["groups_crossing_nodes"] = self.crossing
@@ -294,15 +303,19 @@ def show_json(
     rows: Iterable[KindRow],
     gpus_per_node: int | None = None,
     only: Collection[str] | None = None,
+    first: int = 3,
 ) -> dict[str, Any]:
+    """``show --json`` without its verb fields: every group of each kind up to world
+    :data:`JSON_GROUPS_LIMIT`, the first ``first`` beyond."""
     unavailable = {n: e for n, e in expected.unavailable().items() if only is None or n in only}
+    cut = None if expected.world_size <= JSON_GROUPS_LIMIT else first
     return {
         "framework": expected.framework,
         "world_size": expected.world_size,
         "config": dict(expected.config),
         "gpus_per_node": gpus_per_node,
         "roles": dict(expected.roles),
-        "kinds": [row.to_json() for row in rows],
+        "kinds": [row.to_json(cut) for row in rows],
         "unavailable": {
             name: {"error": str(err), "upstream": getattr(err, "upstream", None)}
             for name, err in unavailable.items()

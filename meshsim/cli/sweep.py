@@ -13,13 +13,12 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from meshsim.cli import render
+from meshsim.cli import outputs, render
 from meshsim.cli.captured import captured, tail
 from meshsim.cli.commands import findings_json, result_json
 from meshsim.errors import LayoutError, UsageError
@@ -175,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"sweep needs meshsim.verify ({exc.name} is missing)") from None
     if args.backend is None:
         args.backend = "gloo" if args.real else SWEEP_BACKEND
+    if args.frameworks:
+        args.frameworks = list(dict.fromkeys(args.frameworks))  # --framework F twice: once
     out = render.console(stderr=args.json == "-")
     if args.real:
         args.frameworks = real_frameworks(args.frameworks, out)
@@ -539,6 +540,7 @@ def report_json(report: Report) -> dict[str, Any]:
     """The sweep's JSON document (``--json``): the same shape finished or interrupted."""
     return {
         "verb": "sweep",
+        "schema_version": render.JSON_SCHEMA_VERSION,
         "world_size": report.world_size,
         "tiers": report.tiers,
         "real": report.real,
@@ -576,10 +578,7 @@ def write_json(path: str, report: Report) -> None:
     if path == "-":
         render.print_json(data)
         return
-    partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as stream:
-        render.print_json(data, stream)
-    os.replace(partial, path)
+    outputs.write(path, lambda stream: render.print_json(data, stream))
 
 
 def write_junit(path: str, report: Report) -> None:
@@ -633,6 +632,7 @@ def write_junit(path: str, report: Report) -> None:
             message=f"sweep interrupted by {report.interrupted} after {len(outcomes)} of "
             f"{report.total} layouts",
         )
-    partial = f"{path}.partial"
-    ET.ElementTree(suites).write(Path(partial), encoding="utf-8", xml_declaration=True)
-    os.replace(partial, path)
+    tree = ET.ElementTree(suites)
+    outputs.write(
+        path, lambda stream: tree.write(stream, encoding="utf-8", xml_declaration=True), binary=True
+    )

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any, TypeVar
 
-from meshsim import torch_private
+from meshsim import options, torch_private
 from meshsim.errors import UsageError
 from meshsim.harness.backend import Backend, Job
 from meshsim.harness.outcome import RunResult
@@ -19,23 +19,17 @@ T = TypeVar("T")
 #: The tiers, cheapest first.
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
 #: Largest world the threaded/gloo/nccl tiers accept (env ``MESHSIM_MAX_WORLD_SIZE``).
-MAX_WORLD_SIZE = int(os.environ.get("MESHSIM_MAX_WORLD_SIZE") or 64)
+MAX_WORLD_SIZE = int(options.environment("MESHSIM_MAX_WORLD_SIZE", strict=False))
 #: Largest world the fake tier accepts (env ``MESHSIM_MAX_FAKE_WORLD_SIZE``).
-MAX_FAKE_WORLD_SIZE = int(os.environ.get("MESHSIM_MAX_FAKE_WORLD_SIZE") or 1 << 20)
+MAX_FAKE_WORLD_SIZE = int(options.environment("MESHSIM_MAX_FAKE_WORLD_SIZE", strict=False))
 #: Seconds a run may take before ``RankTimeout`` (per rank on the fake tier).
 DEFAULT_TIMEOUT = 60.0
 
 
 def _limit(name: str, env: str) -> int:
     """The configured limit: the env var if set, else the (possibly reassigned) attribute."""
-    raw = os.environ.get(env)
-    if raw:
-        try:
-            return int(raw)
-        except ValueError:
-            raise UsageError(
-                f"{env}={raw!r} is not an integer; unset it or give a number"
-            ) from None
+    if os.environ.get(env, "").strip():
+        return int(options.environment(env))  # a malformed value: a UsageError naming it
     package = sys.modules.get("meshsim.harness")
     value = getattr(package, name, None) if package is not None else None
     return int(value if value is not None else globals()[name])
@@ -143,6 +137,7 @@ def run(
         raise UsageError(f"unknown backend {backend!r}; valid backends are: {', '.join(BACKENDS)}")
     if not callable(fn):
         raise UsageError(f"fn must be callable, got {type(fn).__name__}")
+    options.check_environment(torch_release=False)  # MESHSIM_POOL_SIZE=abc: named, not ignored
     world_size = _check_world_size(world_size, backend)
     timeout = _check_timeout(timeout)
     picked = _check_ranks(ranks, world_size, backend)

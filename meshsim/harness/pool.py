@@ -32,15 +32,15 @@ import time
 from collections import deque
 from typing import Any
 
-from meshsim import torch_private
+from meshsim import options, torch_private
 from meshsim.errors import MeshsimError
 from meshsim.harness import rendezvous
 from meshsim.harness.outcome import death_cause, signal_name
 
 #: Seconds a new worker may take to import torch (env ``MESHSIM_BOOT_TIMEOUT``).
-BOOT_TIMEOUT_S = float(os.environ.get("MESHSIM_BOOT_TIMEOUT") or 120)
+BOOT_TIMEOUT_S = options.environment("MESHSIM_BOOT_TIMEOUT", strict=False)
 #: Idle workers kept between runs (env ``MESHSIM_POOL_SIZE``).
-POOL_SIZE = int(os.environ.get("MESHSIM_POOL_SIZE") or 8)
+POOL_SIZE = int(options.environment("MESHSIM_POOL_SIZE", strict=False))
 
 #: How workers start (env ``MESHSIM_POOL_BOOT``): ``template`` forks them from one process
 #: that imported torch once; ``spawn`` starts a fresh interpreter per worker.

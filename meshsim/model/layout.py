@@ -26,6 +26,11 @@ from meshsim.model.groups import Group, Groups, RankGroup
 
 AxisSpec = tuple[str, int]
 
+#: Largest world the reference represents: it holds every rank of the world in numpy arrays
+#: (8 bytes a rank, per group family), so 2**22 ranks already cost 32 MiB a family. A larger
+#: world is refused with a LayoutError naming this limit, never a numpy allocation failure.
+MAX_WORLD_SIZE = 1 << 22
+
 
 class Layout:
     """Ranks laid out row-major over named axes, outermost first (last axis fastest).
@@ -38,13 +43,13 @@ class Layout:
     __slots__ = ("_aliases", "_dims", "_grid", "_identity", "_named", "_names", "_position")
 
     def __init__(self, axes: Iterable[AxisSpec] | Mapping[str, int] = (), /, **sizes: int) -> None:
-        pairs = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
-        pairs += list(sizes.items())
+        pairs = _axis_pairs(axes) + list(sizes.items())
         if not pairs:
             raise LayoutError("a Layout needs at least one axis, e.g. Layout(dp=4)")
-        names = [str(name) for name, _ in pairs]
+        names = [_check_name(name) for name, _ in pairs]
         shape = [_check_size(name, size) for name, size in pairs]
         _check_unique(names)
+        check_world_size(math.prod(shape), f"a Layout of shape {tuple(shape)}")
         grid = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
         self._init(grid, tuple(names), tuple(names), {}, named=True)
 
@@ -84,6 +89,8 @@ class Layout:
         Example: ``Layout.from_order("tp-dp-pp", tp=2, dp=3, pp=4)`` has dp groups
         ``(0, 2, 4)``, ``(1, 3, 5)``, ... ``(19, 21, 23)``.
         """
+        if not isinstance(order, str):
+            raise LayoutError(f"order must be a string such as 'tp-dp-pp', got {order!r}")
         tokens = [t for t in order.split("-") if t] if order else []
         _check_unique(tokens, what="order tokens")
         unknown = [t for t in tokens if t not in sizes]
@@ -106,6 +113,7 @@ class Layout:
     @classmethod
     def from_topology(cls, axes: Sequence[str], dims: Sequence[int]) -> Layout:
         """DeepSpeed ``ProcessTopology(axes, dims)``: row-major, last axis fastest."""
+        axes, dims = _sequence(axes, "axes"), _sequence(dims, "dims")
         if len(axes) != len(dims):
             raise LayoutError(f"axes {list(axes)} and dims {list(dims)} differ in length")
         return cls(list(zip(axes, dims)))
@@ -117,7 +125,7 @@ class Layout:
         ``names=None`` gives an unnamed layout: it answers queries by dim index but cannot be
         sliced or flattened (torch's rule for meshes without ``mesh_dim_names``).
         """
-        grid = np.array(mesh, dtype=np.int64)
+        grid = _rank_tensor(mesh)
         if grid.ndim == 0 or grid.size == 0:
             raise LayoutError(f"mesh must be a non-empty rank tensor, got {mesh!r}")
         if (grid < 0).any():
@@ -128,7 +136,7 @@ class Layout:
         if names is None:
             auto = tuple(f"dim{i}" for i in range(grid.ndim))
             return cls._make(grid, auto, auto, {}, named=False)
-        names = tuple(names)
+        names = tuple(_check_name(n) for n in _sequence(names, "names"))
         if len(names) != grid.ndim:
             raise LayoutError(
                 f"mesh_shape and mesh_dim_names should have same length! Found {grid.ndim} "
@@ -231,7 +239,7 @@ class Layout:
 
     # -- per-rank queries, O(ndim) --------------------------------------------------------
     def _root_coordinate(self, rank: int) -> tuple[int, ...]:
-        rank = int(rank)
+        rank = _check_index(rank, "rank")
         if self._identity is None:
             self._identity = _is_identity(self._grid)
             if not self._identity:
@@ -259,6 +267,7 @@ class Layout:
         """The rank at a full coordinate (root axes, or aliases standing for them)."""
         root: dict[int, int] = {}
         for name, value in coordinate.items():
+            value = _check_index(value, f"coordinate {name}")
             axes = self._axes_of(name)
             sizes = [int(self._grid.shape[a]) for a in axes]
             if not 0 <= value < math.prod(sizes):
@@ -300,6 +309,7 @@ class Layout:
         is ``(2, 3)``."""
         index: list[Any] = [slice(None)] * self._grid.ndim
         for name, value in partial.items():
+            value = _check_index(value, f"filter {name}")
             axes = self._axes_of(name)
             if len(axes) != 1:
                 raise LayoutError(f"filter() takes root axes; {name!r} is flattened from {axes}")
@@ -339,7 +349,7 @@ class Layout:
         sliced dims must keep the root's (descending-stride) order.
         """
         self._require_names("slice")
-        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        names = (dims,) if isinstance(dims, str) else _sequence(dims, "a slice of a Layout")
         if names == self._dims:
             return self
         allowed = set(self._dims) | (set(self._aliases) if self.is_root else set())
@@ -406,7 +416,7 @@ class Layout:
                 f"{self._dims}; to name the result write flatten(name={dims[0]!r})"
             )
         view = self[dims] if dims else self
-        name = name if name is not None else "_".join(view._dims)
+        name = _check_name(name) if name is not None else "_".join(view._dims)
         if view.ndim == 1 and name == view._dims[0]:
             return view
         axes = view._resolve(())
@@ -432,8 +442,8 @@ class Layout:
         ``Layout(world=8).unflatten("world", (2, 4), ("dp", "tp"))`` equals ``Layout(dp=2, tp=4)``.
         """
         self._require_names("unflatten")
-        sizes = tuple(sizes)
-        names = tuple(names)
+        sizes = _sequence(sizes, "sizes")
+        names = tuple(_check_name(n) for n in _sequence(names, "names"))
         if len(sizes) != len(names):
             raise LayoutError(
                 "mesh_dim_names must have same length as mesh_sizes in _unflatten!",
@@ -557,6 +567,62 @@ def _rebuild(
     named: bool,
 ) -> Layout:
     return Layout._make(np.array(grid, dtype=np.int64), names, dims, aliases, named=named)
+
+
+def check_world_size(size: int, what: str = "") -> None:
+    """Refuse a world the reference cannot hold (:data:`MAX_WORLD_SIZE`), naming the limit."""
+    if size > MAX_WORLD_SIZE:
+        where = f" ({what})" if what else ""
+        raise LayoutError(
+            f"world size {size}{where} is over the reference's limit of {MAX_WORLD_SIZE} ranks "
+            "(2**22): meshsim holds every rank of the world in memory"
+        )
+
+
+def _axis_pairs(axes: object) -> list[tuple[Any, Any]]:
+    """``Layout``'s positional axes (pairs or a mapping) as (name, size) pairs."""
+    if isinstance(axes, Mapping):
+        return list(axes.items())
+    pairs = _sequence(axes, "Layout axes")
+    for pair in pairs:
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise LayoutError(
+                f"Layout axes are (name, size) pairs or a mapping, e.g. Layout([('dp', 2)]) or "
+                f"Layout(dp=2); got {pair!r}"
+            )
+    return [tuple(pair) for pair in pairs]  # type: ignore[misc]
+
+
+def _sequence(value: object, what: str) -> tuple[Any, ...]:
+    """``value`` as a tuple; a string, a number or None is refused (not split into items)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise LayoutError(f"{what} must be a sequence (a tuple or list), got {value!r}")
+    return tuple(value)
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise LayoutError(f"an axis name must be a string, got {name!r}")
+    return name
+
+
+def _check_index(value: object, what: str) -> int:
+    """A rank or coordinate: an int (numpy's too), not a bool, float or string."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise LayoutError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _rank_tensor(mesh: object) -> npt.NDArray[np.int64]:
+    """``from_mesh``'s rank tensor as int64; ragged, non-integer or huge input is refused."""
+    try:
+        raw = np.asarray(mesh)
+    except (ValueError, TypeError) as exc:
+        raise LayoutError(f"mesh must be a rectangular tensor of ranks: {exc}") from None
+    if raw.size and (raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer)):
+        raise LayoutError(f"mesh must hold integer ranks, got {raw.dtype} values: {mesh!r}")
+    check_world_size(int(raw.size), "a mesh tensor")
+    return raw.astype(np.int64)
 
 
 def _check_size(name: str, size: int) -> int:

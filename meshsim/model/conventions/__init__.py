@@ -69,8 +69,12 @@ def expect(framework: str, world_size: int, **config: Any) -> Expected:
 
 
 def validate_world_size(world_size: int) -> None:
+    """An int of at least 1 that the reference can hold (``layout.MAX_WORLD_SIZE``)."""
+    from meshsim.model.layout import check_world_size
+
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise LayoutError(f"world_size must be an integer >= 1, got {world_size!r}")
+    check_world_size(world_size)
 
 
 def reject_unknown(
