@@ -334,7 +334,10 @@ def _judge(
             f"{reference}), but the builder built it"
         )
     observed = ObservedLayout.of(observations)
-    known = dict.fromkeys([*reference.kinds(), *reference.unavailable()])  # ordered, O(1) in
+    # Derived kinds (a role's product of dims no process group spans) are nothing to observe.
+    derived = reference.derived_kinds()
+    names = [*reference.kinds(), *reference.unavailable()]
+    known = dict.fromkeys(n for n in names if n not in derived)  # ordered, O(1) in
     checked = tuple(name for name in observed.names() if name in known)
     if not checked:
         return done(error=f"the builder observed no kind the reference knows: {observed.names()}")

@@ -63,6 +63,10 @@ class Kind:
     Frameworks pick others on purpose: megatron's gloo twins, torchtitan's ``fake`` size-1
     axes, ``init_device_mesh(backend_override=...)``; a real axis left ``fake`` never
     communicates, which no member list shows.
+    ``derived`` marks a kind the reference makes up rather than one the framework builds: the
+    product of mesh dims a role spans where the program never flattened them (torch's
+    ``dp_replicate×dp_shard``). Its groups serve the role's checks (data flow, invariants),
+    but no process group has them, so no builder, ``verify`` or ``sweep`` can observe it.
     """
 
     name: str
@@ -73,6 +77,7 @@ class Kind:
     mesh_dims: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     backends: tuple[str | None, ...] = ()
+    derived: bool = False
     _cache: list[Groups] = field(default_factory=list, repr=False)
 
     @property
@@ -109,8 +114,10 @@ def layout_kind(
     *dims: str,
     partition: bool = True,
     backends: tuple[str | None, ...] = (),
+    derived: bool = False,
 ) -> Kind:
-    """A kind whose groups span ``dims`` of ``layout`` (computed on first use)."""
+    """A kind whose groups span ``dims`` of ``layout`` (computed on first use); ``derived``:
+    see :class:`Kind`."""
     spanned = dims or layout.dim_names
     shape = tuple(layout.size_of(d) for d in spanned)
     return Kind(
@@ -121,6 +128,7 @@ def layout_kind(
         mesh_dims=tuple(spanned),
         mesh_shape=shape,
         backends=backends,
+        derived=derived,
     )
 
 
@@ -194,6 +202,12 @@ class Expected:
             return list(self._kinds)
         wanted = set(self._primary) | set(self._roles.values())
         return [name for name in self._kinds if name in wanted]
+
+    def derived_kinds(self) -> dict[str, str]:
+        """Kinds the reference derives for a role (a product of mesh dims no process group
+        spans), each with its description: listed by :meth:`kinds` and usable by name, but no
+        program builds them, so builders and ``verify`` neither expect nor observe them."""
+        return {n: k.description for n, k in self._kinds.items() if k.derived}
 
     def unavailable(self) -> dict[str, LayoutError]:
         """Kinds whose getter raises under this config, with the error the framework gives."""

@@ -26,9 +26,12 @@ def test_builder_matches_reference_on_every_rank(
     expected = meshsim.expect(framework, world, **config)
     observed = build_every_rank(framework, world, config)
     assert diff(observed, expected) is None
-    # The builder covers every kind the reference names, raising getters included.
+    # The builder covers every kind the reference names, raising getters included; a derived
+    # kind (a role's product of dims, no process group) is no group a program builds.
     seen = {name for obs in observed for name in (*obs.groups, *obs.absent)}
     wanted = set(expected.kinds()) | set(expected.unavailable())
+    wanted -= set(expected.derived_kinds())
+    assert not set(expected.derived_kinds()) & seen
     assert wanted - seen <= UNOBSERVED.get(framework, set())
 
 

@@ -42,6 +42,23 @@ def test_hsdp_names_give_the_replicate_times_shard_product() -> None:
     assert ISSUE.groups("gradient_reduce") == [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
+def test_a_product_kind_is_derived_so_verify_neither_expects_nor_skips_it() -> None:
+    """The product kind is no process group: verify checks the mesh's own kinds and reports
+    no gap, while the role's groups stay usable by name."""
+    from meshsim.verify import verify
+
+    config = {"mesh_shape": (2, 2, 2), "mesh_dim_names": HSDP}
+    exp = meshsim.expect("torch", 8, **config)
+    product = "dp_replicate×dp_shard"
+    assert list(exp.derived_kinds()) == [product] and product in exp.kinds()
+    assert exp.kind(product).derived and not exp.kind("dp_shard").derived
+    assert ISSUE.derived_kinds() == {}  # dp_shard is 1: the role is the mesh's dp_replicate
+    result = verify("torch", 8, "threaded", **config)
+    assert result.passed, str(result)
+    assert result.skipped == {}
+    assert set(result.kinds_checked) == {"dp_replicate", "dp_shard", "tp", "get_local_rank"}
+
+
 @pytest.mark.parametrize("loss", [True, False], ids=["loss-flattened", "no-loss"])
 def test_torchtitan_names_reduce_over_dp_replicate_and_fsdp(loss: bool) -> None:
     # torchtitan's partial_dtensor views: fsdp is dp_shard x cp, so it is no data dim here.

@@ -18,7 +18,8 @@ off the names, one mesh view (the root, then each unflattened view) at a time:
   agree, and the gradient groups must hold the data groups.
 
 The role's kind is a dim or flattened dim with those groups where the mesh has one, else a
-product kind named ``a×b`` (groups only: no process group of its own). Where no answer is
+product kind named ``a×b`` (groups only: no process group of its own, so it is marked
+``derived`` and no builder or ``verify`` expects to observe it). Where no answer is
 left the role is unknown, with the reason: never a guess.
 """
 
@@ -253,5 +254,5 @@ def product_kind(
     name = TIMES.join(dims)
     if name not in kinds and name not in derived:
         description = f"product of mesh dims {tuple(dims)}: groups only, no process group"
-        derived[name] = layout_kind(view, name, description, *dims)
+        derived[name] = layout_kind(view, name, description, *dims, derived=True)
     return name

@@ -15,8 +15,10 @@ Roles come from the dim names, by naming family (the table is on the torch conve
 dims; ``data_parallel`` is the product of the data dims (``dp``, ``dp_replicate``, ``dp_shard``,
 ``batch``, ...) and ``gradient_reduce`` (and ``loss``) the product of the data and context dims,
 since FSDP and HSDP reduce over cp too. A product the mesh never flattened is a kind of its own,
-``dp_replicate×dp_shard``. Dim names outside every family (``dim0``, ``world``) leave the two
-roles unknown (``Expected.unknown_roles``): the data-flow checks then refuse and ask for
+``dp_replicate×dp_shard``, marked derived (``Expected.derived_kinds``): no process group has
+its groups, so verify and the builders do not expect to observe it. Dim names outside every
+family (``dim0``, ``world``) leave the two roles unknown (``Expected.unknown_roles``): the
+data-flow checks then refuse and ask for
 ``roles={"data_parallel": ..., "gradient_reduce": ...}``, each a dim, a flattened dim, dims to
 multiply (``"dp_replicate,dp_shard"``) or None for none.
 """
