@@ -431,7 +431,10 @@ def _check_exclusive(args: argparse.Namespace) -> None:
 def _check_tier(args: argparse.Namespace) -> None:
     """Refuse a tier the machine or the framework cannot run, before any rank starts: nccl
     without a GPU per rank (found in seconds, not after a pool boots), and megatron's own code
-    on the fake tier (its gloo groups hit an internal torch assertion there)."""
+    on the fake tier (its gloo groups hit an internal torch assertion there). Where megatron's
+    code is not installed it runs nowhere, so the fake tier is no reason to refuse: verify (or
+    a sweep that names megatron) names the missing install, the cause; a sweep over every
+    framework leaves megatron out."""
     backend = getattr(args, "backend", None)
     if args.verb not in ("verify", "sweep") or backend is None:
         return
@@ -455,6 +458,10 @@ def _check_tier(args: argparse.Namespace) -> None:
             megatron = args.framework == "megatron" and gloo
         else:  # a sweep's megatron layouts keep megatron's default, gloo groups on
             megatron = "megatron" in (args.frameworks or ["megatron"])
+        if megatron:
+            from meshsim.builders.real import unavailable
+
+            megatron = unavailable("megatron") is None  # find_spec only: nothing imported
         if megatron:
             raise UsageError(
                 "--real --backend fake: megatron's own code creates gloo process groups "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -61,6 +62,25 @@ def test_verify_real_without_the_framework_names_the_extra(tmp_path: Path) -> No
         env={"PYTHONPATH": f"{tmp_path}:{ROOT}"},
     )
     assert_bad_input(result, "pip install 'meshsim[megatron]'")
+
+
+def test_megatron_on_fake_is_refused_only_where_its_code_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fake-tier refusal is about megatron's own gloo groups: where megatron is missing a
+    sweep --real leaves it out, so the other frameworks still run on fake."""
+    from meshsim.builders import real
+    from meshsim.cli.main import _check_tier
+    from meshsim.errors import UsageError
+
+    args = argparse.Namespace(
+        verb="sweep", backend="fake", world_size=2, cross_check=False, real=True, frameworks=None
+    )
+    monkeypatch.setattr(real, "unavailable", lambda name: None)
+    with pytest.raises(UsageError, match="create_gloo_process_groups"):
+        _check_tier(args)
+    monkeypatch.setattr(real, "unavailable", lambda name: f"{name} is not installed")
+    _check_tier(args)  # megatron runs nowhere here: no reason to refuse the fake tier
 
 
 def _wrong_observations(expected: meshsim.Expected) -> list[Observation]:
