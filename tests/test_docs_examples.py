@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from meshsim.model import torch_release
+from tests.cli.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Importable by the examples: ``my_trainer``, the downstream project of the getting-started test.
@@ -126,7 +127,11 @@ def _env() -> dict[str, str]:
 
 
 def _run(argv: list[str], cwd: Path, example: Example) -> subprocess.CompletedProcess[str]:
+    """A ``meshsim`` command runs in this process (``run_cli``: the test worker's torch and
+    warm pool); a script, a pytest file or a benchmark in a process of its own."""
     timeout = TIMEOUT_SLOW_S if "slow" in example.options else TIMEOUT_S
+    if argv[1:3] == ["-m", "meshsim"]:
+        return run_cli(*argv[3:], cwd=cwd)
     try:
         return subprocess.run(
             argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
