@@ -133,7 +133,6 @@ class _KeptWorld:
         world.group_count = 1
         if destroyed and _too_many_threads(self.threads):
             _release_groups()
-            self.threads = _native_threads()  # what a collection cannot free is the new baseline
 
     def current(self) -> bool:
         """The world is still this process's default group (the body did not replace it)."""
@@ -144,8 +143,13 @@ class _KeptWorld:
 
 #: Threads that destroyed groups may keep alive before a collection frees them. Collecting
 #: after every job that left any made a world-8 test cost 633 ms instead of ~110 ms, so the
-#: collection waits until a few hundred have piled up.
-_SPARE_THREADS = 256
+#: collection waits until some have piled up. Threads a collection cannot free (groups a
+#: framework's module globals still hold) retire the worker: the pool forks a fresh one. They
+#: are not harmless while idle: each gloo TCP loop thread wakes every 10 ms (its epoll_wait
+#: timeout), and workers that had kept ~500 of them each (the limit used to be raised to
+#: whatever a collection left) loaded a 2-core machine to a load average in the hundreds,
+#: mostly in the kernel, while the test suite ran.
+_SPARE_THREADS = 96
 
 
 def _release_groups() -> None:
@@ -163,6 +167,16 @@ def _release_groups() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+def _threads_outlived(baseline: int | None) -> int:
+    """Native threads above ``baseline`` + the spare that a collection cannot free (0 when
+    within bounds, or where threads cannot be counted)."""
+    if baseline is None or not _too_many_threads(baseline):
+        return 0
+    _release_groups()
+    now = _native_threads()
+    return now - baseline if now is not None and now > baseline + _SPARE_THREADS else 0
 
 
 def _too_many_threads(baseline: int | None) -> bool:
@@ -206,6 +220,7 @@ class Worker:
         torch.set_num_threads(1)  # N ranks share the machine's cores, as under torchrun
         recorder.install()
         self.baseline_threads = {t.ident for t in threading.enumerate()}
+        self.boot_native_threads = _native_threads()
         self.baseline_torch = _torch_bindings()
         self.send("ready", os.getpid())
 
@@ -396,6 +411,13 @@ class Worker:
     def leftovers(self) -> list[str]:
         kept = self.world.pg if self.world is not None else None
         problems = isolation.leftovers(kept=kept)
+        baseline = self.world.threads if self.world is not None else self.boot_native_threads
+        outlived = _threads_outlived(baseline)
+        if outlived:
+            problems.append(
+                f"{outlived} native threads outlived their jobs (process groups something "
+                "still holds): a fresh worker replaces this one"
+            )
         extra = [t for t in threading.enumerate() if t.ident not in self.baseline_threads]
         for t in extra:
             t.join(0.2)

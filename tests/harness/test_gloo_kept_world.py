@@ -85,6 +85,33 @@ def test_groups_kept_alive_by_a_cycle_do_not_pile_up_threads() -> None:
     assert all(a[1] <= b[1] for a, b in zip(after, before)), (before, after)
 
 
+def groups_held_by_a_module(count: int) -> tuple[int, int]:
+    """Groups a framework's module globals still hold after the job (megatron-core's
+    parallel_state does, until its next initialize): no collection can free their threads."""
+    import json
+
+    import torch.distributed as dist
+
+    age = world_age()
+    json._meshsim_test_held_groups = [dist.new_group([0, 1]) for _ in range(count)]  # type: ignore[attr-defined]
+    return age
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_threads_no_collection_frees_retire_the_worker() -> None:
+    """Each idle gloo loop thread wakes every 10 ms: a worker holding hundreds of them loads
+    the machine even between jobs. Past ``_SPARE_THREADS`` that a collection cannot free, the
+    worker is replaced by a fresh one, which starts without them."""
+    from meshsim.harness.worker import _SPARE_THREADS
+
+    before = run(native_threads, 2, "gloo", timeout=120)
+    held = run(groups_held_by_a_module, 2, "gloo", timeout=120, args=(_SPARE_THREADS,))
+    after = run(native_threads, 2, "gloo", timeout=120)
+    assert [h[0] for h in held] == [b[0][0] for b in before]  # the job ran on the same workers
+    assert not {a[0][0] for a in after} & {b[0][0] for b in before}  # then they were replaced
+    assert all(a[1] <= b[1] + _SPARE_THREADS for a, b in zip(after, before)), (before, after)
+
+
 def unmatched_send() -> tuple[int, int]:
     import torch
     import torch.distributed as dist
