@@ -5,8 +5,8 @@ process by default, with its streams captured and its exit status returned as a 
 would: importing torch and booting gloo workers for every command cost most of the CLI tests'
 time (two CPU seconds or more per command, far more on a loaded CI machine), while in-process
 runs share the test worker's torch and warm worker pool. A test that needs a process of its own
-(an environment, an import check, a signal) passes ``env=`` or ``isolated=True``;
-``MESHSIM_CLI_SUBPROCESS=1`` runs every command in a subprocess, as before.
+(an environment, an import check, a signal) passes ``env=`` or ``isolated=True``; ``sweep``
+always gets one; ``MESHSIM_CLI_SUBPROCESS=1`` runs every command in a subprocess, as before.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run_cli(
     ARGS``). ``timeout`` applies to a subprocess only and only guards against a hang: a loaded
     machine may take minutes to import torch and boot gloo workers, which must not fail a test.
     """
-    if env is None and not isolated and not os.environ.get("MESHSIM_CLI_SUBPROCESS"):
+    if env is None and not isolated and not _needs_a_process(args):
         return _in_process(list(args), cwd)
     full_env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
     full_env.update({"COLUMNS": "200", **(env or {})})
@@ -52,6 +52,13 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def _needs_a_process(args: tuple[str, ...]) -> bool:
+    """``sweep`` starts a process pool (``--jobs``) whose helper processes (multiprocessing's
+    resource tracker) outlive the command in the calling process, where the harness tests'
+    leak check would find them: it runs in a subprocess, as before."""
+    return bool(os.environ.get("MESHSIM_CLI_SUBPROCESS")) or "sweep" in args[:1]
 
 
 def _in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
