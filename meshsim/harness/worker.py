@@ -124,15 +124,11 @@ class _KeptWorld:
         import torch.distributed as dist
 
         world = torch_private.world()
-        destroyed = False
         for pg in list(world.pg_map):
             if pg is not self.pg:
                 dist.destroy_process_group(pg)
-                destroyed = True
         world.pg_map[self.pg] = self.entry
         world.group_count = 1
-        if destroyed and _too_many_threads(self.threads):
-            _release_groups()
 
     def current(self) -> bool:
         """The world is still this process's default group (the body did not replace it)."""
