@@ -146,6 +146,11 @@ class _KeptWorld:
 #: whatever a collection left) loaded a 2-core machine to a load average in the hundreds,
 #: mostly in the kernel, while the test suite ran.
 _SPARE_THREADS = 96
+#: Environment variables torch itself sets when a module is first imported, not the body:
+#: ``torch._dynamo`` (imported by the first optimizer a process builds) sets the inductor
+#: cache dir. Reporting them retired every worker whose job built an optimizer, so the next
+#: job paid the ~9 s import again on a loaded 2-core machine.
+_SET_BY_TORCH_IMPORTS = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 
 def _release_groups() -> None:
@@ -270,6 +275,11 @@ class Worker:
         changed = sorted(
             k for k in set(os.environ) | set(body_env) if os.environ.get(k) != body_env.get(k)
         )
+        for key in set(changed) & _SET_BY_TORCH_IMPORTS:
+            # torch set it while importing a module (once per process): keep it, as a fresh
+            # process would after that import, and do not retire a clean worker for it.
+            saved_env[key] = os.environ[key] if key in os.environ else saved_env.get(key, "")
+            changed.remove(key)
         if changed:
             problems.append(f"the body changed environment variables {changed[:8]}")
         os.environ.clear()

@@ -195,3 +195,31 @@ def test_another_world_size_in_between() -> None:
     again = run(groups_seen, 2, "gloo", timeout=60)
     assert [v[:3] for v in three] == [(1, "1", 3.0)] * 3
     assert [v[:3] for v in again] == [(1, "1", 2.0)] * 2
+
+
+def builds_an_optimizer() -> tuple[int, int]:
+    """A training step's first optimizer: torch imports ``torch._dynamo``, which sets
+    ``TORCHINDUCTOR_CACHE_DIR`` in the environment (torch's doing, not the body's)."""
+    import torch
+
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    return world_age()
+
+
+def test_an_environment_variable_torch_sets_on_import_keeps_the_worker() -> None:
+    first = run(builds_an_optimizer, 2, "gloo", timeout=60)
+    second = run(world_age, 2, "gloo", timeout=60)
+    assert [pid for pid, _ in second] == [pid for pid, _ in first]  # the worker stayed
+    assert all(seq > 0 for _, seq in second)  # and so did its world
+
+
+def changes_the_environment() -> tuple[int, int]:
+    os.environ["MESHSIM_TEST_LEFT_BEHIND"] = "1"
+    return world_age()
+
+
+def test_an_environment_variable_the_body_sets_still_retires_the_worker() -> None:
+    first = run(changes_the_environment, 2, "gloo", timeout=60)
+    second = run(world_age, 2, "gloo", timeout=60)
+    assert not {pid for pid, _ in second} & {pid for pid, _ in first}
+    assert "MESHSIM_TEST_LEFT_BEHIND" not in os.environ
