@@ -2,7 +2,8 @@
 
 The rules come from the reference's roles: ranks with the same data-parallel rank (TP, CP and
 pipeline peers) load the same samples in the same order; the ranks of one data-parallel group
-load disjoint samples whose union is the global batch; no sample repeats within an epoch. When
+load disjoint samples whose union is the global batch; no sample repeats within an epoch;
+expert-parallel peers run the same number of steps (:mod:`meshsim.dataflow.lockstep`). When
 a rule breaks, the message names the step, the ranks and the samples, then tries the usual
 wiring mistakes against the data and names the one that explains it.
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 from meshsim.dataflow import roles
 from meshsim.dataflow.evidence import MeshGroups, require_data_movement, wrong_mesh
+from meshsim.dataflow.lockstep import lockstep_problems
 from meshsim.dataflow.records import BatchRecord, SampleId, Step
 from meshsim.errors import DataflowMismatch, NothingCompared, UsageError
 from meshsim.model.expected import Expected
@@ -37,8 +39,9 @@ def assert_data_parallel(
     ``global_batches`` (sample ids per step) adds the check that each data-parallel group's
     union is exactly that batch. ``context_chunks=True`` says the context-parallel peers hold
     different sequence chunks of the same samples (recorded with ``chunk=``) and checks it.
-    A reference that cannot tell the data-parallel groups raises
-    :class:`~meshsim.errors.RolesUnknown` (pass ``roles=``); records with no two ranks to
+    Expert-parallel peers (the ``expert`` role) must record the same number of steps, or their
+    all-to-all hangs; that finding leads. A reference that cannot tell the data-parallel groups
+    raises :class:`~meshsim.errors.RolesUnknown` (pass ``roles=``); records with no two ranks to
     compare (one rank, or no step recorded) raise :class:`~meshsim.errors.NothingCompared`.
     """
     roles.require_known(expected, "data_parallel")
@@ -67,6 +70,9 @@ def find_problems(
 
     ``mesh_groups`` (rank -> the mesh groups it held) lets a hint blame a wrong mesh instead of
     a loader that followed it."""
+    lockstep = lockstep_problems(by_rank, expected)
+    if lockstep:  # the EP group names the all-to-all that hangs; the world count says less
+        return lockstep
     counts = {r: len(steps) for r, steps in by_rank.items()}
     if len(set(counts.values())) > 1:
         most = max(counts.values())

@@ -52,6 +52,29 @@ CONSEQUENCES = {
         "batch where the data-parallel degree promised several"
     ),
     "partition": "some rank is in no group of this kind, or in two",
+    "expert peers share the pipeline stage": (
+        "EP peers on different stages reach their all-to-alls at different points of the "
+        "pipeline schedule, so the token exchange pairs calls of different layers or hangs"
+    ),
+    "expert peers share the expert-data-parallel rank": (
+        "a loader sharded over the expert-data-parallel group (how evaluation keeps EP peers "
+        "in lockstep when EP > 1) hands EP peers different shards, whose batch counts can "
+        "differ: the peer with fewer batches stops while the others wait in the all-to-all"
+    ),
+}
+
+#: Roles whose local rank every expert-parallel group must share: role -> (check, what differs).
+#: EP peers exchange tokens by all-to-all in every MoE layer of every step, so they must run
+#: the same steps in lockstep: from the same pipeline stage, and (where a loader shards over
+#: the expert-data-parallel group, ModelOpt PR 1966) on the same batch. The dense
+#: data-parallel rank is no such role: EP is carved out of it (torchtitan's dp2ep, DeepSpeed,
+#: megatron's expert grid), so EP peers load different batches by design.
+EXPERT_LOCKSTEP = {
+    "pipeline": ("expert peers share the pipeline stage", "pipeline stages"),
+    "expert_data": (
+        "expert peers share the expert-data-parallel rank",
+        "expert-data-parallel ranks",
+    ),
 }
 
 
@@ -120,6 +143,34 @@ def same_batch_reducers(expected: Expected) -> Groups:
     ordered = np.sort(keys, axis=1)
     bad = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1) if rows.shape[1] > 1 else []
     return Groups.from_array(rows[np.asarray(bad, dtype=bool)] if len(bad) else rows[:0])
+
+
+def expert_lockstep_breaks(expected: Expected) -> dict[str, Groups]:
+    """Role -> the expert-parallel groups whose members hold different local ranks in it
+    (only roles of :data:`EXPERT_LOCKSTEP` with at least one such group).
+
+    Example: megatron ``ep=2`` on 4 ranks has EP groups ``(0, 1)``, ``(2, 3)`` and expert-DP
+    groups ``(0, 2)``, ``(1, 3)``: ranks 0 and 1 are both expert-DP rank 0, so nothing breaks.
+    Expert-DP groups ``(0, 2)``, ``(3, 1)`` would give rank 1 expert-DP rank 1 and break it.
+    """
+    if not _usable(expected, "expert"):
+        return {}
+    experts = expected.groups("expert")
+    if experts.group_size < 2:
+        return {}
+    out: dict[str, Groups] = {}
+    for role in EXPERT_LOCKSTEP:
+        if not _usable(expected, role) or not expected.kind(role).partition:
+            continue
+        bad = peers_with_different_local_rank(experts, expected.groups(role), expected.world_size)
+        if len(bad):
+            out[role] = bad
+    return out
+
+
+def _usable(expected: Expected, role: str) -> bool:
+    """The role is present and its kind's groups can be computed under this config."""
+    return role in expected.roles and expected.kind(role).available
 
 
 def crossing_groups(groups: Groups, gpus_per_node: int) -> Groups:
@@ -226,6 +277,15 @@ def find_violations(expected: Expected) -> list[Violation]:
                     f"rank in {roles['data_parallel']} that are not context-parallel peers",
                 )
             )
+    for role, bad in expert_lockstep_breaks(expected).items():
+        check, words = EXPERT_LOCKSTEP[role]
+        found.append(
+            Violation(
+                check,
+                roles["expert"],
+                f"groups {format_groups(bad, 3)} hold different {words} in {roles[role]}",
+            )
+        )
     for problem in pipeline_neighbors_mismatch(expected):
         found.append(Violation("pipeline neighbours", roles["pipeline"], problem))
     return [replace(v, consequence=CONSEQUENCES.get(v.check, "")) for v in found]
