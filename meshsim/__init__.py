@@ -31,6 +31,7 @@ from meshsim.errors import (
     RankFailure,
     RankTimeout,
     RolesUnknown,
+    SerialMismatch,
     TeardownWarning,
     UsageError,
 )
@@ -48,6 +49,7 @@ from meshsim.model import (
     layouts,
     refused_configs,
 )
+from meshsim.usage import Equivalence, StepContext, assert_matches_serial
 
 __version__ = "0.1.0"
 
@@ -57,6 +59,7 @@ __all__ = [
     "BatchRecord",
     "CollectiveDivergence",
     "DataflowMismatch",
+    "Equivalence",
     "Expected",
     "Groups",
     "GroupsCrossNodes",
@@ -79,11 +82,14 @@ __all__ = [
     "RefusedCase",
     "RolesUnknown",
     "RunResult",
+    "SerialMismatch",
+    "StepContext",
     "TeardownWarning",
     "UsageError",
     "assert_data_parallel",
     "assert_gradient_sync",
     "assert_layout",
+    "assert_matches_serial",
     "assert_meshes_agree",
     "assert_within_nodes",
     "check_meshes",

@@ -190,3 +190,29 @@ class DataflowMismatch(MeshsimError, AssertionError):
         lead = problems[0].splitlines()[0] if problems else head
         super().__init__(lead + "\n" + head + ":\n  " + "\n  ".join(shown) + more)
         self.problems = list(problems)
+
+
+class ReductionMismatch(DataflowMismatch):
+    """A gradient was reduced over other groups than its parameter needs, or a collective ran
+    over a group the layout does not define.
+
+    Raised by :func:`meshsim.usage.assert_gradient_reductions`; ``problems`` holds one line
+    per finding, each naming the parameter, the ranks, the groups observed and the kinds
+    needed (or the stray collective and its call site).
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(problems, what="the gradient reductions")
+
+
+class SerialMismatch(DataflowMismatch):
+    """The N-rank step computed something its serial twin did not
+    (:func:`meshsim.assert_matches_serial`).
+
+    ``problems`` holds one line per finding, earliest first: the value, the ranks, its measured
+    relation to the serial value and the likely mistake. ``comparison`` holds the full result.
+    """
+
+    def __init__(self, problems: list[str], comparison: Any) -> None:
+        super().__init__(problems, what="the N-rank step and its serial twin")
+        self.comparison = comparison

@@ -1,0 +1,66 @@
+"""What a rank hands back of one tensor: its numbers, dtype, and which slice of the full
+tensor it holds. Plain data (numpy), so it crosses process boundaries and the comparison in
+the parent never needs torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice of the full tensor a rank holds: chunk ``index`` of ``count`` along ``dim``."""
+
+    dim: int
+    index: int
+    count: int
+
+    def take(self, full: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """This shard's part of ``full``; ``ValueError`` when the shard does not divide it."""
+        if self.dim >= full.ndim or full.shape[self.dim] % self.count:
+            raise ValueError(
+                f"a {self.count}-way shard along dim {self.dim} does not divide shape {full.shape}"
+            )
+        step = full.shape[self.dim] // self.count
+        index = [slice(None)] * full.ndim
+        index[self.dim] = slice(self.index * step, (self.index + 1) * step)
+        return full[tuple(index)]
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One tensor (or number) on one rank at one point of the step.
+
+    ``array`` is float64 whatever the tensor's dtype (``dtype`` keeps the original, which picks
+    the tolerance); ``shard`` is ``None`` for a full tensor; ``role`` is what the parameter is
+    marked as (``"sequence_parallel"``, ``"expert"``, ...), used only to word a finding.
+    """
+
+    array: npt.NDArray[np.float64]
+    dtype: str
+    shard: Shard | None = None
+    role: str | None = None
+
+    def expected_part(self, full: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        return full if self.shard is None else self.shard.take(full)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One ``ctx.record(...)`` call: the logged values, gradients and parameters by name."""
+
+    values: dict[str, Captured]
+    grads: dict[str, Captured]
+    params: dict[str, Captured]
+
+
+@dataclass(frozen=True)
+class RankTrail:
+    """Everything one rank recorded: one snapshot per step, then the final parameters."""
+
+    rank: int
+    snapshots: tuple[Snapshot, ...]
+    final: dict[str, Captured]
