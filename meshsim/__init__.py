@@ -30,6 +30,7 @@ from meshsim.errors import (
     NothingCompared,
     RankFailure,
     RankTimeout,
+    ReductionMismatch,
     RolesUnknown,
     SerialMismatch,
     TeardownWarning,
@@ -49,7 +50,13 @@ from meshsim.model import (
     layouts,
     refused_configs,
 )
-from meshsim.usage import Equivalence, StepContext, assert_matches_serial
+from meshsim.usage import (
+    Equivalence,
+    GradientTrace,
+    StepContext,
+    assert_gradient_reductions,
+    assert_matches_serial,
+)
 
 __version__ = "0.1.0"
 
@@ -61,6 +68,7 @@ __all__ = [
     "DataflowMismatch",
     "Equivalence",
     "Expected",
+    "GradientTrace",
     "Groups",
     "GroupsCrossNodes",
     "Kind",
@@ -79,6 +87,7 @@ __all__ = [
     "RankFailure",
     "RankOutcome",
     "RankTimeout",
+    "ReductionMismatch",
     "RefusedCase",
     "RolesUnknown",
     "RunResult",
@@ -87,6 +96,7 @@ __all__ = [
     "TeardownWarning",
     "UsageError",
     "assert_data_parallel",
+    "assert_gradient_reductions",
     "assert_gradient_sync",
     "assert_layout",
     "assert_matches_serial",

@@ -29,6 +29,7 @@ FAKE_PG = "torch.testing._internal.distributed.fake_pg"
 C10D_BINDINGS = "torch._C._distributed_c10d"
 FUNCOL = "torch.distributed._functional_collectives"
 DTENSOR_DEBUG = "torch.distributed.tensor.debug"
+FSDP2 = "torch.distributed.fsdp._fully_shard._fully_shard"
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ SURFACE: tuple[Private, ...] = (
     *_names(FAKE_PG, {"FakeProcessGroup": "the fake tier's process group"}),
     # collectives and DTensor
     *_names(FUNCOL, {"all_reduce": "recording functional collectives"}),
+    *_names(FSDP2, {"FSDPModule._get_fsdp_state": "the groups fully_shard reduces over"}),
     *_names(DTENSOR_DEBUG, {"_clear_sharding_prop_cache": "stale DTensor plans"}, since=(2, 11)),
     *_names("torch.distributed.tensor._random", {"_rng_tracker": "DTensor's RNG per rank"}),
     *_names("torch._C", {"_ensureCUDADeviceGuardSet": "no GPU: threaded DTensor"}, since=(2, 10)),
@@ -265,6 +267,11 @@ def preload() -> None:
 
 def functional_collectives() -> ModuleType:
     return importlib.import_module(FUNCOL)
+
+
+def fsdp_state(module: Any) -> Any:
+    """``fully_shard``'s state of ``module`` (its param group holds the params and mesh info)."""
+    return require("FSDPModule._get_fsdp_state", FSDP2)(module)
 
 
 # -- torch's test backends ------------------------------------------------------------------

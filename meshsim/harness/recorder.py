@@ -13,6 +13,7 @@ recorded. Modules under ``torch.distributed`` are re-bound at install time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -37,12 +38,14 @@ COLLECTIVES = (
     "broadcast_object_list",
     "scatter_object_list",
     "all_gather",
+    "all_gather_single",  # the name newer torch (2.13) uses; FSDP2 calls it
     "all_gather_into_tensor",
     "_all_gather_base",
     "all_gather_coalesced",
     "gather",
     "scatter",
     "reduce_scatter",
+    "reduce_scatter_single",  # the name newer torch (2.13) uses; FSDP2 calls it
     "reduce_scatter_tensor",
     "_reduce_scatter_base",
     "all_to_all_single",
@@ -65,6 +68,12 @@ P2P = (
 FUNCOL = (
     "all_reduce",
     "all_reduce_coalesced",
+    "all_gather_single",  # newer torch's (2.13) names; DTensor calls them
+    "all_gather_single_autograd",
+    "all_gather_single_coalesced",
+    "reduce_scatter_single",
+    "reduce_scatter_single_autograd",
+    "reduce_scatter_single_coalesced",
     "all_gather_tensor",
     "all_gather_tensor_autograd",
     "all_gather_into_tensor_coalesced",
@@ -84,9 +93,11 @@ SHAPED = {
     "all_reduce": "tensor",
     "reduce": "tensor",
     "all_gather": "tensor",
+    "all_gather_single": "input_tensor",
     "all_gather_into_tensor": "input_tensor",
     "_all_gather_base": "input_tensor",
     "reduce_scatter": "output",
+    "reduce_scatter_single": "output",
     "reduce_scatter_tensor": "output",
     "_reduce_scatter_base": "output",
 }
@@ -139,7 +150,12 @@ class Call:
 
 
 class Sink(Protocol):
-    """Receives the calls of one rank."""
+    """Receives the calls of one rank.
+
+    A sink may also define ``observe(call, arguments, result)``: it is then handed each
+    finished call's bound arguments and return value (the tensors a call reduced, for
+    ``meshsim.usage.trace``); an error it raises is swallowed, as describing's is.
+    """
 
     def enter(self, call: Call) -> None: ...
 
@@ -270,6 +286,10 @@ def _wrap(kind: str, op: str, original: Callable[..., Any]) -> Callable[..., Any
             raise
         _tls.depth = 0
         sink.exit(call)
+        observe = getattr(sink, "observe", None)
+        if observe is not None:
+            with contextlib.suppress(Exception):  # observing must never break the call
+                observe(call, sig.bind_partial(*args, **kwargs).arguments, result)
         return result
 
     wrapper.__meshsim_original__ = original  # type: ignore[attr-defined]
