@@ -121,6 +121,40 @@ def meshsim_dataflow(request: pytest.FixtureRequest, meshsim_expected: Expected)
     return DataflowProbe(meshsim_expected, _case(request)[0])
 
 
+@pytest.fixture
+def meshsim_serial(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """:func:`meshsim.assert_matches_serial` bound to this test's layout and backend.
+
+    Mark the test ``@pytest.mark.meshsim_layout(framework, world_size=N, **config)`` (not
+    ``@pytest.mark.meshsim``: the check runs the ranks itself, from the test's own process)
+    and call ``meshsim_serial(step, batch=..., steps=...)``. The backend is
+    ``--meshsim-backend`` when given, else ``threaded``; ``backend=`` overrides both.
+    """
+    from meshsim.usage.serial import assert_matches_serial
+
+    if request.node.get_closest_marker("meshsim") is not None:
+        raise pytest.UsageError(
+            f"{request.node.nodeid}: meshsim_serial runs the ranks itself; drop "
+            "@pytest.mark.meshsim and give the world in @pytest.mark.meshsim_layout("
+            "framework, world_size=N, ...)"
+        )
+    marker = request.node.get_closest_marker("meshsim_layout")
+    if marker is None or "world_size" not in marker.kwargs:
+        raise pytest.UsageError(
+            f"{request.node.nodeid}: meshsim_serial needs "
+            "@pytest.mark.meshsim_layout(framework, world_size=N, **config)"
+        )
+    expected = request.getfixturevalue("meshsim_expected")
+    default = request.config.getoption("--meshsim-backend", None) or "threaded"
+
+    def check(step: Callable[..., Any], **options: Any) -> Any:
+        __tracebackhide__ = True
+        options.setdefault("backend", default)
+        return assert_matches_serial(step, expected.world_size, expected, **options)
+
+    return check
+
+
 class PerRank(tuple):  # type: ignore[type-arg]
     """One value per rank, from a :func:`distributed_fixture`.
 

@@ -17,6 +17,7 @@ from meshsim.fixtures import (  # noqa: F401 (fixtures)
     backend,
     meshsim_dataflow,
     meshsim_expected,
+    meshsim_serial,
     rank,
     world_size,
 )

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
+from meshsim.cli import equivalence as equivalence_cli
 from meshsim.cli import render
 from meshsim.cli.compare import (
     DIFFERENT,
@@ -287,6 +288,9 @@ def verify(args: argparse.Namespace) -> int:
     dataflow = getattr(args, "dataflow", False)
     if dataflow:
         dataflow_cli.check_args(args)
+    equivalence = getattr(args, "equivalence", False)
+    if equivalence:
+        equivalence_cli.check_args(args)
     verify_fn = _verify_api()
     started = time.perf_counter()
     try:
@@ -299,7 +303,8 @@ def verify(args: argparse.Namespace) -> int:
     quiet = launched is not None and launched[0] != 0
     out = render.console(stderr=args.json, quiet=quiet)
     flow = dataflow_cli.run(args, world, config) if dataflow else None
-    passed = result.passed and (flow is None or flow.passed)
+    twin = equivalence_cli.run(args, world, config) if equivalence else None
+    passed = result.passed and (flow is None or flow.passed) and (twin is None or twin.passed)
     if args.strict and _violations(expected):
         passed = False
     if args.json:
@@ -317,11 +322,15 @@ def verify(args: argparse.Namespace) -> int:
             }
             if flow is not None:
                 report["dataflow"] = dataflow_cli.as_json(flow)
+            if twin is not None:
+                report["equivalence"] = equivalence_cli.as_json(twin)
             render.print_json(report)
         return 0 if passed else 1
     print_result(out, result, expected, wall)
     if flow is not None:
         dataflow_cli.print_result(out, flow)
+    if twin is not None:
+        equivalence_cli.print_result(out, twin)
     print_findings(out, expected, strict=args.strict)
     return 0 if passed else 1
 

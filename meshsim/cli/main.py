@@ -13,6 +13,7 @@ from typing import NoReturn
 from meshsim import options
 from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
+from meshsim.cli import equivalence as equivalence_cli
 from meshsim.cli import outputs
 from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
 
@@ -20,7 +21,7 @@ VERBS = ("show", "diff", "verify", "sweep", "meshes", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
-    | {"--dataflow", "--all-kinds", "--independent", "--strict"}
+    | {"--dataflow", "--equivalence", "--all-kinds", "--independent", "--strict"}
 )
 
 EPILOG = """\
@@ -227,6 +228,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     _json(verify)
     dataflow_cli.add_flag(verify)
+    equivalence_cli.add_flag(verify)
     config_flags(verify, "verify")
 
     sweep = sub(

@@ -167,6 +167,10 @@ def unsupported(
 ) -> str | None:
     """Why the recipe cannot run this layout on ``backend`` (None: it can): what torch 2.13 on
     CPU cannot do, and layouts a recipe does not train (transformers' need ``world_size``)."""
+    if world_size is not None:
+        refused = _framework_raises(framework, world_size, config)
+        if refused is not None:
+            return refused
     if framework == "transformers" and world_size is not None:
         return _transformers_unsupported(world_size, config)
     if framework == "verl" and config.get("strategy", "fsdp") not in ("fsdp", "fsdp2"):
@@ -189,6 +193,31 @@ def unsupported(
             "that (ValueError; torch >= 2.10 accepts it)"
         )
     return None
+
+
+def _framework_raises(framework: str, world_size: int, config: Mapping[str, Any]) -> str | None:
+    """The framework's own error where the reference says building the gradient group raises
+    (accelerate FSDP on a mesh without ``dp_shard_cp``: accelerate#3798): nothing trains."""
+    from meshsim.errors import LayoutError
+    from meshsim.model.conventions import expect
+
+    try:
+        expected = expect(framework, world_size, **config)
+    except LayoutError:
+        return None  # refused by the reference itself: the caller says so first
+    unavailable = expected.unavailable()
+    # accelerate's FSDP mesh is what its wrapper asks for; without it no gradient role exists.
+    for kind in (expected.roles.get("gradient_reduce"), "fsdp_mesh"):
+        if kind in unavailable and (kind != "fsdp_mesh" or _accelerate_fsdp(config)):
+            return (
+                f"{framework} itself raises for this layout where it builds {kind} "
+                f"({unavailable[kind].upstream or 'an error'}): {unavailable[kind]}"
+            )
+    return None
+
+
+def _accelerate_fsdp(config: Mapping[str, Any]) -> bool:
+    return str(config.get("distributed_type", "")).upper() == "FSDP"
 
 
 def _transformers_unsupported(world_size: int, config: Mapping[str, Any]) -> str | None:

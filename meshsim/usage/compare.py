@@ -141,6 +141,30 @@ class Kinds:
     def sized(self, n: int) -> list[str]:
         return [name for name in self.families if self.size(name) == n]
 
+    def label(self, name: str) -> str:
+        """``loss (4 ranks, the gradient_reduce group)``: the kind, its size, the role it serves."""
+        role = next((r for r, k in self.roles.items() if k == name), None)
+        return f"{name} ({self.size(name)} ranks" + (f", the {role} group)" if role else ")")
+
+    def name_of(self, group: tuple[int, ...]) -> str:
+        """The kind one of whose groups is ``group`` (as a set), else the ranks themselves."""
+        members = set(group)
+        for name, groups in self.families.items():
+            if any(set(g) == members for g in groups):
+                return self.label(name)
+        return f"{list(group)} (a group the layout does not define)"
+
+
+def _reduced_text(captured: Captured, kinds: Kinds) -> str:
+    """What the trace saw reduce this gradient, as a clause ending in ``; `` (or nothing)."""
+    if captured.reduced is None:
+        return ""
+    groups = [g for g in captured.reduced if len(g) > 1]
+    if not groups:
+        return "no collective reduced it on this rank; "
+    names = list(dict.fromkeys(kinds.name_of(g) for g in groups))
+    return f"reduced over {' then '.join(names)}; "
+
 
 def _integer(x: float) -> int | None:
     n = round(x)
@@ -181,7 +205,10 @@ def _over_kind(
     holders: Mapping[int, Captured], full: Array, kinds: Kinds, tol: tuple[float, float]
 ) -> str | None:
     """A kind whose groups' sum (or mean) of the members' values is the serial value."""
-    for name, groups in kinds.families.items():
+    # The smallest group that explains it: a value missing its cp reduction is also "not
+    # averaged" over every larger group that contains cp.
+    by_size = sorted(kinds.families.items(), key=lambda item: len(item[1][0]))
+    for name, groups in by_size:
         for how in ("sum", "mean"):
             matched = 0
             for group in groups:
@@ -199,10 +226,10 @@ def _over_kind(
                     break
                 matched += 1
             if matched == len(groups) and matched:
-                n = len(groups[0])
                 verb = "summed" if how == "sum" else "averaged"
                 return (
-                    f"the {how} over {name} ({n} ranks) is the serial value: not {verb} over {name}"
+                    f"the {how} over {kinds.label(name)} is the serial value: not {verb} "
+                    f"over {name}"
                 )
     return None
 
@@ -284,7 +311,8 @@ def _describe(
                 "different weights"
             )
     hint = _ROLE_HINTS.get(sample.role or "") if role_hint and section == "grads" else None
-    line = f"{subject} {ranks} {relation}: {why}"
+    traced = _reduced_text(sample, kinds) if section == "grads" else ""
+    line = f"{subject} {ranks} {relation}: {traced}{why}"
     return line + (f"; {hint}" if hint else "")
 
 

@@ -119,9 +119,17 @@ def _expected(layout: Any, world_size: int, config: Mapping[str, Any]) -> Any:
     return expect(layout, world_size, **config)
 
 
+#: Which role names a group first when several kinds hold it (the gradient's group first).
+_ROLE_ORDER = (
+    "gradient_reduce", "data_parallel", "tensor", "context", "expert", "expert_data",
+    "pipeline", "embedding", "loss",
+)  # fmt: skip
+
+
 def _kinds(expected: Any) -> Kinds:
     """The kinds a finding may be explained by: the roles' kinds first, then the rest."""
-    names = list(dict.fromkeys([*expected.roles.values(), *expected.primary_kinds()]))
+    roles = [expected.roles[r] for r in _ROLE_ORDER if r in expected.roles]
+    names = list(dict.fromkeys([*roles, *expected.roles.values(), *expected.primary_kinds()]))
     families = {}
     for name in names:
         try:
@@ -153,4 +161,9 @@ def _on_rank(
         steps=steps,
         seed=seed,
     )
-    return ctx.trail(step(ctx))
+    if not serial:
+        ctx.start_trace()
+    try:
+        return ctx.trail(step(ctx))
+    finally:
+        ctx.stop_trace()

@@ -8,7 +8,8 @@ logged values, the gradients and the parameters as plain numpy data.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from meshsim.errors import UsageError
@@ -57,6 +58,37 @@ class StepContext:
         self._batch = batch
         self._groups: dict[str, Any] = {}
         self._snapshots: list[Snapshot] = []
+        self._trace: Any = None
+
+    # -- tracing (N ranks only) -------------------------------------------------------------
+    def start_trace(self) -> None:
+        """Trace which collectives reduce each gradient until the next ``record``."""
+        from meshsim.usage.trace import GradientTrace
+
+        self._trace = GradientTrace().__enter__()
+
+    def stop_trace(self) -> None:
+        if self._trace is not None:
+            self._trace.__exit__(None, None, None)
+            self._trace = None
+
+    def _reductions(
+        self, model: Any, named: dict[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], ...]] | None:
+        """Each gradient's reducing groups since the last record (None: not traced)."""
+        if self._trace is None:
+            return None
+        # The model itself where it is one, so the trace finds its DDP / FSDP2 wrappers.
+        seen = model if hasattr(model, "named_parameters") else _Named(named)
+        try:
+            found = {plain_name(n): c for n, c in self._trace.reductions(seen).items()}
+        except Exception:  # the trace only words a finding; it must never fail a step
+            found = None
+        self.stop_trace()
+        self.start_trace()
+        if found is None:
+            return None
+        return {n: tuple(tuple(c.group) for c in calls) for n, calls in found.items()}
 
     # -- layout -----------------------------------------------------------------------------
     def size(self, kind: str) -> int:
@@ -111,10 +143,14 @@ class StepContext:
         """Capture this step: ``values`` (the loss and any logged number), every parameter's
         gradient and value. Collective for DTensor parameters: call it on every rank."""
         named = _named(model)
+        reduced = self._reductions(model, named)
+        grads = {n: self._capture(p.grad, p) for n, p in named.items() if p.grad is not None}
+        if reduced is not None:
+            grads = {n: replace(c, reduced=reduced.get(n, ())) for n, c in grads.items()}
         self._snapshots.append(
             Snapshot(
                 values={k: self._capture(v) for k, v in values.items()},
-                grads={n: self._capture(p.grad, p) for n, p in named.items() if p.grad is not None},
+                grads=grads,
                 params={n: self._capture(p, p) for n, p in named.items()},
             )
         )
@@ -182,3 +218,16 @@ def _named(model: Any) -> dict[str, Any]:
             f"{type(model).__name__}"
         )
     return {plain_name(n): p for n, p in pairs}
+
+
+class _Named:
+    """A name -> parameter mapping seen as a module (what the trace reads)."""
+
+    def __init__(self, named: dict[str, Any]) -> None:
+        self._named = named
+
+    def named_parameters(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._named.items())
+
+    def modules(self) -> Iterator[Any]:
+        return iter(())  # no wrappers: the parameters are reduced by explicit collectives

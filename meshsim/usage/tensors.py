@@ -36,13 +36,17 @@ class Captured:
 
     ``array`` is float64 whatever the tensor's dtype (``dtype`` keeps the original, which picks
     the tolerance); ``shard`` is ``None`` for a full tensor; ``role`` is what the parameter is
-    marked as (``"sequence_parallel"``, ``"expert"``, ...), used only to word a finding.
+    marked as (``"sequence_parallel"``, ``"expert"``, ...) and ``reduced`` the groups the
+    :class:`~meshsim.usage.trace.GradientTrace` saw reduce a gradient (``None``: not traced),
+    both used only to word a finding.
     """
 
     array: npt.NDArray[np.float64]
     dtype: str
     shard: Shard | None = None
     role: str | None = None
+    #: For a gradient on N ranks: the groups (global ranks) the trace saw reduce it this step.
+    reduced: tuple[tuple[int, ...], ...] | None = None
 
     def expected_part(self, full: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         return full if self.shard is None else self.shard.take(full)

@@ -21,7 +21,11 @@ DENSE_CAUGHT = {
     "norm_grad_not_reduced_over_tp": (
         {},
         "grad of `norm1.weight` at step 1 on ranks 0-7 differs from the serial one",
-        ["the sum over tp (2 ranks) is the serial value", "needs the tp all-reduce"],
+        [
+            "reduced over dp×cp (4 ranks, the gradient_reduce group); the sum over tp (2 ranks, "
+            "the tensor group) is the serial value",
+            "needs the tp all-reduce",
+        ],
     ),
     "loss_averaged_over_dp_not_dp_cp": (
         {},
@@ -37,7 +41,7 @@ DENSE_CAUGHT = {
     "logged_loss_not_reduced_over_cp": (
         {},
         "logged `loss` at step 1 on ranks 0-7",
-        ["the mean over cp (2 ranks) is the serial value: not averaged over cp"],
+        ["the mean over cp (2 ranks, the context group) is the serial value: not averaged over cp"],
     ),
     "accumulation_divided_by_wrong_count": (
         {},
@@ -53,7 +57,10 @@ DENSE_CAUGHT = {
 MOE_CAUGHT = {
     "experts_reduced_over_dense_dp": (
         "grad of `experts.0.weight` at step 1 on ranks 0, 2 differs from the serial one",
-        ["expert parameters are reduced over the expert data-parallel group"],
+        [
+            "reduced over dp-cp (4 ranks, the gradient_reduce group)",
+            "expert parameters are reduced over the expert data-parallel",
+        ],
     ),
     "router_grad_misses_other_ep_ranks": (
         "grad of `router.weight` at step 1 on ranks 0-3 differs from the serial one",

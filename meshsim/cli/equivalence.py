@@ -1,0 +1,60 @@
+"""``meshsim verify FRAMEWORK ... --equivalence``: the recipe's step against its serial twin."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from meshsim.errors import UsageError
+
+HELP = (
+    "also train the data-flow recipe's tiny model on the N ranks and on one rank, from the "
+    "same weights on the same global batch, and compare every gradient and parameter "
+    "(threaded/gloo only; the frameworks --dataflow covers)"
+)
+
+
+def add_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--equivalence", action="store_true", help=HELP)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse before any rank runs, as ``--dataflow`` does."""
+    from meshsim.dataflow.meshes import FRAMEWORKS
+
+    if args.backend == "fake":
+        raise UsageError(
+            "--equivalence needs real collectives and the fake backend moves no data; use "
+            "--backend threaded or --backend gloo"
+        )
+    if args.framework not in FRAMEWORKS:
+        raise UsageError(
+            f"--equivalence has a recipe for {', '.join(FRAMEWORKS)}, not {args.framework!r}"
+        )
+
+
+def run(args: argparse.Namespace, world: int, config: Mapping[str, Any]) -> Any:
+    from meshsim.usage.recipe import check_equivalence
+
+    return check_equivalence(
+        args.framework, world, args.backend, real=args.real, timeout=args.timeout, **config
+    )
+
+
+def as_json(result: Any) -> dict[str, Any]:
+    return {
+        "passed": result.passed,
+        "wiring": result.wiring,
+        "seconds": round(result.seconds, 4),
+        "error": result.error,
+        "summary": result.summary,
+    }
+
+
+def print_result(out: Any, result: Any) -> None:
+    verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
+    out.print(f"equivalence ({result.seconds:.2f} s): {verdict}")
+    detail = result.summary if result.passed else result.error
+    if detail:
+        out.print(detail, markup=False)
