@@ -1,0 +1,40 @@
+"""``meshsim verify FRAMEWORK ... --equivalence`` as a user runs it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli.helpers import assert_bad_input, json_of, run_cli
+
+
+def test_equivalence_flag_compares_the_recipe_with_its_serial_twin() -> None:
+    result = run_cli(
+        "verify", "olmo-core", "-n", "8", "--backend", "threaded",
+        "--set", "dp=hsdp", "--set", "cp=2", "--equivalence", "--json", timeout=300,
+    )  # fmt: skip
+    report = json_of(result)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert report["passed"] and report["equivalence"]["passed"]
+    assert report["equivalence"]["error"] is None
+    assert "tensors over 2 steps" in report["equivalence"]["summary"]
+
+
+def test_a_framework_finding_exits_1_with_the_first_line() -> None:
+    result = run_cli(
+        "verify", "verl", "-n", "8", "--backend", "threaded", "--set", "fsdp_size=1",
+        "--equivalence", timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "equivalence" in result.stdout and "FAIL" in result.stdout
+    assert "grad of `stage0.0.weight` at step 1 on ranks 0-7" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("olmo-core", "--backend", "fake", "--set", "dp=fsdp"), "fake backend moves no data"),
+        (("megatron", "--backend", "threaded"), "recipe for olmo-core, torchtitan"),
+    ],
+)
+def test_equivalence_refusals_are_bad_input(args: tuple[str, ...], needle: str) -> None:
+    assert_bad_input(run_cli("verify", *args, "-n", "8", "--equivalence"), needle)
