@@ -37,6 +37,11 @@ CONSEQUENCES = {
         "ranks that load different batches never average their gradients, so the model "
         "replicas train apart"
     ),
+    "gradient_reduce ⊇ context": (
+        "CP peers each compute a partial gradient of the same weights from their piece of the "
+        "sequence and nothing sums them, so each steps on part of the gradient and their "
+        "weights drift apart"
+    ),
     "tensor peers share the data-parallel rank": (
         "TP peers compute one step's shards on different batches"
     ),
@@ -227,6 +232,39 @@ def pipeline_neighbors_mismatch(expected: Expected) -> list[str]:
     return problems
 
 
+def unreduced_peers(expected: Expected, role: str) -> str:
+    """Why some groups of ``role`` (``data_parallel`` or ``context``) are not reduced together,
+    or ``""`` when every group lies inside one gradient-reduce group.
+
+    Data-parallel ranks train on different batches and context peers on different pieces of
+    one sequence, all with the same weights: their gradients must meet in one reduce. A layout
+    with such groups of more than one rank and no ``gradient_reduce`` role at all reduces
+    nothing (accelerate's ``MULTI_GPU`` with ``tp_size > 1`` skips DDP); one whose reduce
+    groups split them reduces in part (verl's ``fsdp_size=1``: one-rank groups). Nothing is
+    said where the convention cannot tell the gradient role (``unknown_roles``).
+
+    Example: data-parallel ``(0, 2)``, ``(1, 3)`` inside gradient-reduce ``(0, 1, 2, 3)`` give
+    ``""``; inside ``(0, 1)``, ``(2, 3)`` they are split.
+    """
+    if not _usable(expected, role) or "gradient_reduce" in expected.unknown_roles:
+        return ""
+    if "gradient_reduce" in expected.roles and not _usable(expected, "gradient_reduce"):
+        return ""  # the framework raises building it: nothing trains, silently or not
+    peers = expected.groups(role)
+    what = "data-parallel" if role == "data_parallel" else "context-parallel"
+    if "gradient_reduce" not in expected.roles:
+        if peers.group_size < 2:
+            return ""
+        return f"{what} groups {format_groups(peers, 3)} are in no gradient-reduce group"
+    bad = uncontained_groups(peers, expected.groups("gradient_reduce"), expected.world_size)
+    if not len(bad):
+        return ""
+    return (
+        f"{what} groups {format_groups(bad, 3)} are split across "
+        f"{expected.roles['gradient_reduce']} groups"
+    )
+
+
 def find_violations(expected: Expected) -> list[Violation]:
     """Run every invariant that applies to ``expected``; empty when all hold."""
     world = expected.world_size
@@ -239,19 +277,10 @@ def find_violations(expected: Expected) -> list[Violation]:
             )
 
     roles = expected.roles
-    if "data_parallel" in roles and "gradient_reduce" in roles:
-        bad = uncontained_groups(
-            expected.groups("data_parallel"), expected.groups("gradient_reduce"), world
-        )
-        if len(bad):
-            found.append(
-                Violation(
-                    "gradient_reduce ⊇ data_parallel",
-                    roles["data_parallel"],
-                    f"data-parallel groups {format_groups(bad, 3)} are split across "
-                    f"{roles['gradient_reduce']} groups",
-                )
-            )
+    for role in ("data_parallel", "context"):
+        problem = unreduced_peers(expected, role)
+        if problem:
+            found.append(Violation(f"gradient_reduce ⊇ {role}", roles[role], problem))
     if "data_parallel" in roles:
         data = expected.groups("data_parallel")
         for role in ("tensor", "context", "pipeline"):

@@ -97,6 +97,10 @@ def test_tp_only_is_accelerate_3798_in_1_10() -> None:
     assert exp.unavailable()["fsdp_mesh"].upstream == "KeyError"
     assert "dp_shard_cp" in str(exp.unavailable()["fsdp_mesh"])
     assert "gradient_reduce" not in exp.roles
+    assert "accelerate#3798" in exp.unknown_roles["gradient_reduce"]  # raises: nothing reduces
+    replicated = acc(8, dp_replicate_size=8, distributed_type="FSDP", version="1.10")
+    assert "KeyError" in replicated.unknown_roles["gradient_reduce"]
+    assert find_violations(replicated) == []  # accelerate raises; no replica trains silently
     with pytest.raises(LayoutError, match="no dimension for FSDP to shard") as refused:
         acc(8, tp_size=8, distributed_type="FSDP")  # 1.15 refuses up front
     assert refused.value.upstream == "ValueError"
@@ -108,6 +112,18 @@ def test_tp_only_without_fsdp_is_accepted_in_both() -> None:
         assert exp.groups("tp") == [WORLD]
         assert exp.groups("dataloader_batch_peers") == [WORLD]  # one batch stream for all
         assert "gradient_reduce" not in exp.roles and "ddp" not in exp.kinds()
+        assert not exp.unknown_roles  # no DDP, and with one replica none is needed
+
+
+def test_multi_gpu_with_tp_wraps_no_ddp_around_its_replicas() -> None:
+    """``prepare_model`` wraps DDP only when ``tp_enabled`` is false (1.10 and 1.15 alike), and
+    ``_validate_accelerator`` accepts dp_shard > 1 next to TP under MULTI_GPU: the loader splits
+    batches over the dp_shard replicas, whose gradients nothing reduces (docs/findings.md)."""
+    for version in accelerate.VERSIONS:
+        exp = acc(8, dp_shard_size=2, tp_size=4, distributed_type="MULTI_GPU", version=version)
+        assert "gradient_reduce" not in exp.roles and not exp.unknown_roles
+        assert exp.groups("dataloader_replica") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+        assert {v.check for v in find_violations(exp)} == {"gradient_reduce ⊇ data_parallel"}
 
 
 def test_deepspeed_autotp_mesh_is_smaller_than_the_world() -> None:
@@ -122,6 +138,7 @@ def test_deepspeed_autotp_mesh_is_smaller_than_the_world() -> None:
 def test_deepspeed_sp_builds_no_mesh_in_1_15() -> None:
     exp = acc(8, sp_size=4)
     assert exp.config["distributed_type"] == "DEEPSPEED"
+    assert "gradient_reduce" in exp.unknown_roles  # DeepSpeed's engine picks its own group
     assert exp.layout is None  # DeepSpeed builds its own SP groups
     assert exp.unavailable()["sp"].upstream == "TypeError"
     assert exp.groups("dataloader_replica") == [WORLD]  # the Ulysses adapter regroups later
@@ -256,17 +273,23 @@ def test_version_spellings() -> None:
 # -- properties -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12])
 def test_invariants_hold_outside_the_deepspeed_cp_finding(world: int) -> None:
-    """Every config keeps every invariant except accelerate's two loader findings: DeepSpeed (or
-    the dispatcher) with cp, and the dispatcher with TP + FSDP, whose one batch for every rank
-    breaks exactly ``gradient-reduce peers load different batches`` (docs/findings.md)."""
+    """Every config keeps every invariant except accelerate's findings (docs/findings.md):
+    DeepSpeed (or the dispatcher) with cp; the dispatcher with TP + FSDP, whose one batch for
+    every rank breaks exactly ``gradient-reduce peers load different batches``; and MULTI_GPU
+    with TP and data parallelism, which wraps no DDP and breaks exactly
+    ``gradient_reduce ⊇ data_parallel``."""
     for config in accelerate.configs(world):
         exp = acc(world, **config)
         ignores_cp = exp.config["distributed_type"] == "DEEPSPEED" or config.get("dispatch_batches")
         if ignores_cp and exp.config["cp_size"] > 1:
             continue  # test_deepspeed_loader_ignores_cp, test_dispatcher_with_tp_...
+        found = {v.check for v in find_violations(exp)}
         if config.get("dispatch_batches") and exp.config["tp_size"] > 1:
-            found = {v.check for v in find_violations(exp)}
             assert found == {"gradient-reduce peers load different batches"}, config
+            continue
+        replicas = exp.groups("dataloader_replica").group_size
+        if exp.config["distributed_type"] == "MULTI_GPU" and exp.config["tp_size"] > 1:
+            assert found == ({"gradient_reduce ⊇ data_parallel"} if replicas > 1 else set())
             continue
         assert_invariants(exp)
 

@@ -15,10 +15,14 @@ CASES: list[tuple[str, int, dict[str, Any], set[str]]] = [
     ("verl", 4, {"strategy": "torchtitan", "data_parallel_shard_size": 2,
                  "context_parallel_size": 2}, {"context peers share the data-parallel rank"}),
     ("verl", 4, {"fsdp_size": 1}, {"gradient_reduce ⊇ data_parallel"}),
+    ("verl", 4, {"fsdp_size": 1, "ulysses_sequence_parallel_size": 4},
+     {"gradient_reduce ⊇ context"}),
     ("accelerate", 4, {"dp_shard_size": 2, "cp_size": 2, "distributed_type": "DEEPSPEED"},
      {"context peers share the data-parallel rank"}),
     ("accelerate", 4, {"dp_shard_size": 2, "tp_size": 2, "dispatch_batches": True},
      {"gradient-reduce peers load different batches"}),
+    ("accelerate", 4, {"dp_shard_size": 2, "tp_size": 2, "distributed_type": "MULTI_GPU"},
+     {"gradient_reduce ⊇ data_parallel"}),
     ("megatron-deepspeed", 8, {"sequence_parallel_size": 2}, set()),
 ]  # fmt: skip
 

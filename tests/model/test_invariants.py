@@ -102,3 +102,82 @@ def test_pipeline_neighbours_must_differ_only_in_stage() -> None:
     )
     assert pipeline_neighbors_mismatch(crossed)
     assert crossed.pipeline_neighbors(3) == (0, 0)
+
+
+# -- gradient_reduce ⊇ data_parallel / context: peers whose gradients nothing reduces -----------
+def _checks(expected: Expected) -> dict[str, str]:
+    return {v.check: v.kind for v in find_violations(expected)}
+
+
+def test_accelerate_multi_gpu_with_tp_never_reduces_its_replicas() -> None:
+    """``prepare_model`` wraps DDP only without TP: two loader replicas and no gradient group."""
+    planted = meshsim.expect(
+        "accelerate", 8, dp_shard_size=2, tp_size=4, distributed_type="MULTI_GPU"
+    )
+    assert "gradient_reduce" not in planted.roles and not planted.unknown_roles
+    (violation,) = find_violations(planted)
+    assert (violation.check, violation.kind) == (
+        "gradient_reduce ⊇ data_parallel",
+        "dataloader_replica",
+    )
+    assert violation.message == (
+        "data-parallel groups [(0, 4), (1, 5), (2, 6), ... 1 more] are in no gradient-reduce group"
+    )
+    assert "replicas train apart" in violation.consequence
+    # The same sizes under FSDP2 reduce over fsdp_mesh; TP alone has no replicas to reduce.
+    assert find_violations(meshsim.expect("accelerate", 8, dp_shard_size=2, tp_size=4)) == []
+    assert find_violations(meshsim.expect("accelerate", 8, tp_size=8)) == []
+
+
+def test_accelerate_deepspeed_reduces_over_groups_the_reference_leaves_unknown() -> None:
+    """DeepSpeed's engine reduces over its own group: no finding, though accelerate builds none."""
+    expected = meshsim.expect("accelerate", 8, dp_shard_size=8, distributed_type="DEEPSPEED")
+    assert "DeepSpeed's engine" in expected.unknown_roles["gradient_reduce"]
+    assert find_violations(expected) == []
+    # The same layout with the role absent rather than unknown is flagged: the rule fires.
+    kinds = [expected.kind(name) for name in expected.kinds()]
+    absent = _expected(kinds, dict(expected.roles))
+    assert set(_checks(absent)) == {"gradient_reduce ⊇ data_parallel"}
+
+
+@pytest.mark.parametrize("sp", [2, 4, 8])
+def test_verl_ulysses_peers_on_one_rank_reduce_groups_are_flagged(sp: int) -> None:
+    """verl#7493: FSDP1 NO_SHARD over one rank; the Ulysses peers' partial gradients never meet.
+    At sp = world the data-parallel groups are single ranks: only the context check sees it."""
+    planted = meshsim.expect("verl", 8, fsdp_size=1, ulysses_sequence_parallel_size=sp)
+    found = _checks(planted)
+    assert found["gradient_reduce ⊇ context"] == "sp"
+    assert ("gradient_reduce ⊇ data_parallel" in found) == (sp < 8)
+    (context,) = [v for v in find_violations(planted) if v.check == "gradient_reduce ⊇ context"]
+    assert context.message.endswith("are split across fsdp_reduce groups")
+    assert "partial gradient" in context.consequence
+    for sound in ({"strategy": "fsdp2", "fsdp_size": 1}, {"fsdp_size": 2}, {}):
+        assert (
+            find_violations(meshsim.expect("verl", 8, ulysses_sequence_parallel_size=sp, **sound))
+            == []
+        )
+
+
+def test_context_peers_without_any_gradient_group_are_flagged() -> None:
+    layout = Layout(dp=2, cp=4)
+    kinds = [layout_kind(layout, "dp", "", "dp"), layout_kind(layout, "cp", "", "cp")]
+    bare = _expected(kinds, {"data_parallel": "dp", "context": "cp"})
+    assert _checks(bare) == {
+        "gradient_reduce ⊇ data_parallel": "dp",
+        "gradient_reduce ⊇ context": "cp",
+    }
+    with_grad = [*kinds, layout_kind(layout, "dp_cp", "", "dp", "cp")]
+    assert find_violations(_expected(with_grad, {"data_parallel": "dp", "context": "cp",
+                                                 "gradient_reduce": "dp_cp"})) == []  # fmt: skip
+    only_dp = [*kinds, layout_kind(layout, "grad", "", "dp")]
+    split = _expected(only_dp, {"data_parallel": "dp", "context": "cp", "gradient_reduce": "grad"})
+    assert _checks(split) == {"gradient_reduce ⊇ context": "cp"}
+    unknown = Expected("test", 8, {}, kinds, {"data_parallel": "dp", "context": "cp"},
+                       unknown_roles={"gradient_reduce": "cannot tell"})  # fmt: skip
+    assert find_violations(unknown) == []
+
+
+def test_single_rank_peers_need_no_gradient_group() -> None:
+    layout = Layout(tp=8)
+    kinds = [layout_kind(layout, "tp", "", "tp"), Kind("dp", "", Groups([(r,) for r in range(8)]))]
+    assert find_violations(_expected(kinds, {"data_parallel": "dp", "tensor": "tp"})) == []

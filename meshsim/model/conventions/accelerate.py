@@ -20,7 +20,11 @@ process index by the ``tp`` x ``cp`` dim sizes (DeepSpeed: by ``tp`` only). ``da
 ``dp``; ``dataloader_batch_peers`` are the ranks the arithmetic hands the same batches. With
 ``dispatch_batches`` the ``DataLoaderDispatcher`` decides instead (one batch for all once the
 mesh has ``tp``). ``gradient_reduce`` is ``fsdp_mesh`` (FSDP2's ``mesh[fsdp_dim_names]``) or
-``ddp`` (the world group); DeepSpeed reduces over its own groups (the deepspeed convention).
+``ddp`` (the world group). ``MULTI_GPU`` with ``tp_size > 1`` has neither: ``prepare_model``
+wraps in DDP only when the config has no TP, so data-parallel replicas there never reduce
+(docs/findings.md). DeepSpeed reduces over its own groups (the deepspeed convention), which
+this reference leaves unknown (``Expected.unknown_roles``), as it does where accelerate raises
+before building the FSDP mesh (accelerate#3798).
 DeepSpeed AutoTP adds ``ds:tp``, accelerate's ``("tp",)`` mesh on ranks ``0..autotp_size-1`` only,
 which the loader then divides by; DeepSpeed Ulysses (1.15, ``sp_size > 1``) adds ``ds:sp`` and
 ``ds:sp_dp``, the groups of DeepSpeed's ``parallel_state_sp`` that ``_prepare_deepspeed`` sets up.
@@ -135,8 +139,11 @@ def expect(world_size: int, **config: Any) -> Expected:
         loader, "dataloader_batch_peers", f"{how}; ranks that load the same batches", "block"
     )
     roles = _roles(kinds)
+    unknown = _unknown_roles(cfg, kinds)
     normal = {k: v for k, v in cfg.items() if v is not None}
-    return Expected("accelerate", world_size, normal, kinds.values(), roles, layout=root)
+    return Expected(
+        "accelerate", world_size, normal, kinds.values(), roles, layout=root, unknown_roles=unknown
+    )
 
 
 def validate(world_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -448,6 +455,29 @@ def _loader_block(world_size: int, cfg: Mapping[str, Any], root: Layout | None, 
     if cfg["distributed_type"] == "DEEPSPEED":
         return sizes.get("tp", 1)  # "Only considers dp and tp": cp is ignored
     return sizes.get("tp", 1) * sizes.get("cp", 1)
+
+
+def _unknown_roles(cfg: Mapping[str, Any], kinds: Mapping[str, Kind]) -> dict[str, str]:
+    """The gradient role where accelerate hands gradients to someone this reference does not
+    model: DeepSpeed's engine, or FSDP2's wrapper that raises before reducing anything."""
+    if cfg["distributed_type"] == "DEEPSPEED":
+        return {
+            "gradient_reduce": (
+                "DeepSpeed's engine reduces gradients over its own sequence-data-parallel group "
+                "(deepspeed.utils.groups: the world, AutoTP's data_parallel mesh dim or the "
+                "Ulysses sp x dp group), which accelerate never builds: meshsim's deepspeed "
+                "convention models it, the accelerate reference does not"
+            )
+        }
+    if "fsdp_mesh" in kinds and not kinds["fsdp_mesh"].available:
+        return {
+            "gradient_reduce": (
+                "fully_shard asks for mesh[('dp_shard_cp',)], which this mesh lacks: accelerate "
+                "raises KeyError while preparing the model (accelerate#3798), so no gradient "
+                "group is ever built"
+            )
+        }
+    return {}
 
 
 def _roles(kinds: Mapping[str, Kind]) -> dict[str, str]:
