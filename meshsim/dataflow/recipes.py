@@ -292,7 +292,7 @@ def train_on_rank(
     wrap_over = m.data if wiring == "wrapper_over_data_mesh" else m.grad
 
     model = _model(m.pp_rank)
-    if m.tp is not None:
+    if m.tp is not None and m.tp.size() > 1:  # TP over one rank changes nothing
         _shard_tensor_parallel(model, m.tp)
     model = _wrap(model, wrap_over, m.ddp)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

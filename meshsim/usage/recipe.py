@@ -156,7 +156,7 @@ def _train_ranks(
         seed += m.tp.get_local_rank()
     wrap_over = m.data if wiring == "wrapper_over_data_mesh" else m.grad
     model = recipes._model(m.pp_rank)
-    if m.tp is not None:
+    if m.tp is not None and m.tp.size() > 1:  # TP over one rank changes nothing
         recipes._shard_tensor_parallel(model, m.tp)
     model = recipes._wrap(model, wrap_over, m.ddp)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
