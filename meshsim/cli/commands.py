@@ -37,6 +37,14 @@ def _config(args: argparse.Namespace, framework: str, world: int) -> dict[str, A
 
 # -- show ---------------------------------------------------------------------------------------
 def show(args: argparse.Namespace) -> int:
+    zoom = None
+    if args.zoom is not None:
+        from meshsim.cli import picture
+
+        if not (args.svg or args.png):
+            raise UsageError("--zoom picks the ranks a picture draws; give --svg or --png too")
+        zoom = picture.parse_zoom(args.zoom)
+        picture.check_zoom(zoom, args.world_size)
     expected = expect(
         args.framework, args.world_size, **_config(args, args.framework, args.world_size)
     )
@@ -74,13 +82,19 @@ def show(args: argparse.Namespace) -> int:
             columns=args.columns,
             gpus_per_node=args.gpus_per_node,
             footer=footer,
+            zoom=zoom,
         )
+        width, height = page.pixels
         for path, write in ((args.svg, picture.write_svg), (args.png, picture.write_png)):
             if path:
                 write(page, path)
-                out.print(f"wrote {path} ({len(page.panels)} panels)")
+                out.print(
+                    f"wrote {path} ({_count(len(page.panels), 'panel')}, {width} x {height} px)"
+                )
     if args.json:
-        report = render.show_json(expected, rows, args.gpus_per_node, wanted, args.first)
+        report = render.show_json(
+            expected, rows, args.gpus_per_node, wanted, args.first, all_groups=args.all_groups
+        )
         render.print_json(
             {
                 "verb": "show",
@@ -526,9 +540,38 @@ def convention_catalogue(frameworks: list[str], world_size: int) -> list[dict[st
     return out
 
 
+def convention_summary(frameworks: list[str]) -> list[tuple[str, int, str]]:
+    """(name, number of config keys, what it models) of each convention: its module's first
+    docstring paragraph. Cheap: no layout is enumerated (the full listing builds every one)."""
+    from meshsim.model.conventions import convention
+
+    out = []
+    for name in frameworks:
+        cf.check_framework(name)
+        paragraph = (convention(name).__doc__ or "").strip().split("\n\n")[0]
+        out.append((name, len(cf.parameters(name)), " ".join(paragraph.replace("``", "").split())))
+    return out
+
+
 def list_conventions(args: argparse.Namespace) -> int:
+    """A line per convention by default; in full (keys, flags, kinds) for the named ones, with
+    ``--all``, and always in ``--json``."""
     world = 8
     names = list(dict.fromkeys(args.frameworks)) or _all_frameworks()  # each once
+    if not (args.json or args.all or args.frameworks):
+        out = render.console()
+        out.print(
+            f"{len(names)} conventions; meshsim list NAME (or --all) lists keys and kinds:",
+            markup=False,
+        )
+        summary = convention_summary(names)
+        wide = max(len(name) for name, _, _ in summary)
+        for name, count, what in summary:
+            head = f"{name:<{wide}}  {count:>2} keys  "
+            room = max(out.width - len(head), 20)  # one line each: cut, never wrapped
+            text = what if len(what) <= room else what[: room - 1].rstrip() + "…"
+            out.print(head + text, markup=False, highlight=False)
+        return 0
     catalogue = convention_catalogue(names, world)
     if args.json:
         render.print_json(
@@ -572,3 +615,7 @@ def _all_frameworks() -> list[str]:
     from meshsim.model.conventions import CONVENTIONS
 
     return list(CONVENTIONS)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

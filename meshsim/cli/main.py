@@ -22,6 +22,7 @@ BACKENDS = ("fake", "threaded", "gloo", "nccl")
 _BOOLEAN_FLAGS = frozenset(
     {"--json", "--real", "--no-grid", "--cross-check", "-h", "--help", "--version", "--fail-fast"}
     | {"--dataflow", "--equivalence", "--all-kinds", "--independent", "--strict"}
+    | {"--all-groups", "--all"}
 )
 
 EPILOG = """\
@@ -144,11 +145,27 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         metavar="G",
         help="mark groups that span more than one node (node = rank // G)",
     )
-    show.add_argument("--svg", metavar="FILE", help="write a picture: one panel per kind")
+    show.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="write a picture, one panel per kind: a cell per rank up to 256 ranks, a cell "
+        "per node beyond (G ranks, else 8)",
+    )
     show.add_argument(
         "--png", metavar="FILE", help="write the picture as PNG (needs meshsim[plot])"
     )
+    show.add_argument(
+        "--zoom",
+        metavar="START:END",
+        help="draw ranks START to END-1 one by one in the picture (at most 256)",
+    )
     _json(show)
+    show.add_argument(
+        "--all-groups",
+        action="store_true",
+        help="--json lists every group of each kind (default: its structure and the first "
+        "--first groups)",
+    )
     show.add_argument("--no-grid", action="store_true", help="table only, no rank grids")
     show.add_argument(
         "--kinds",
@@ -172,7 +189,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         type=_positive("--first"),
         default=3,
         metavar="N",
-        help="groups listed per kind in the table (default 3)",
+        help="groups listed per kind in the table and --json (default 3)",
     )
     config_flags(show, "show")
 
@@ -275,7 +292,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         const="-",
         metavar="FILE",
         help="print every result as one JSON object on stdout, or write it to FILE "
-        "(also written, marked interrupted, on Ctrl-C or SIGTERM)",
+        "(also written, marked interrupted, on Ctrl-C or SIGTERM: see below)",
     )
     sweep.add_argument(
         "--junit-xml",
@@ -298,6 +315,22 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         metavar="N",
         help="only the first N layouts of each framework",
     )
+    sweep.add_argument(
+        "--gpus-per-node",
+        type=_positive("--gpus-per-node"),
+        metavar="G",
+        help="also say, per layout, which kinds have groups spanning more than one node "
+        "(node = rank // G); JSON: crosses_nodes, placement",
+    )
+    sweep.add_argument(
+        "--within-node",
+        action="append",
+        metavar="K,K",
+        help="with --gpus-per-node: verify only the layouts whose groups of these kinds or "
+        "roles stay inside a node (e.g. tensor,expert or tp,ep; repeatable); the others are "
+        "counted as left out",
+    )
+    sweep.epilog = EPILOG + "\n\n" + SWEEP_HELP
 
     from meshsim.cli import agreement
 
@@ -318,7 +351,17 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         world=None,
     )
     listing.add_argument(
-        "frameworks", nargs="*", metavar="FRAMEWORK", help=f"only these (default all): {known}"
+        "frameworks",
+        nargs="*",
+        metavar="FRAMEWORK",
+        help=f"list these in full: config keys, flags and kinds (default: a line for each "
+        f"convention): {known}",
+    )
+    listing.add_argument(
+        "--all",
+        action="store_true",
+        help="every convention in full (without FRAMEWORK the text is one line a convention; "
+        "--json is always in full)",
     )
     _json(listing, "text")
     return parser
@@ -334,6 +377,12 @@ how config applies to A and B:
 examples:
   meshsim diff megatron megatron:order=tp-cp-pp-ep-dp --world-size 16 --tp 2 --pp 2
   meshsim diff olmo-core torchtitan --world-size 16 --dp-replicate 2 --cp 2"""
+
+SWEEP_HELP = """\
+Ctrl-C (SIGINT) or SIGTERM stops a sweep at once: its worker processes are killed with every
+process they started, and --json / --junit-xml are still written, marked interrupted, holding
+every layout whose result had arrived. Exit 130 after SIGINT, 143 after SIGTERM (128 + the
+signal's number, as a shell reports a process killed by it)."""
 
 
 def _world(parser: argparse.ArgumentParser, required: bool = True) -> None:

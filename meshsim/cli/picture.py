@@ -1,68 +1,21 @@
-"""Pictures of a layout: one panel per group kind, ranks as cells coloured by group (SVG, PNG)."""
+"""Pictures of a layout, as SVG or PNG: a rank-level view (a cell per rank) up to
+:data:`~meshsim.cli.rank_view.RANK_VIEW_LIMIT` ranks or inside ``--zoom``, a node-level view
+(a cell per node) beyond."""
 
 from __future__ import annotations
 
-import textwrap
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+import functools
+import importlib.util
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from meshsim.cli.colours import RGB, group_colour, text_colour
-from meshsim.cli.render import KindRow, grid_columns, owners
+from meshsim.cli import node_view, rank_view
+from meshsim.cli.page import Label, Rect, Scene, arrange
+from meshsim.cli.rank_view import RANK_VIEW_LIMIT
+from meshsim.cli.render import KindRow
 from meshsim.errors import UsageError
-
-_NONE_FILL = "#f4f4f4"
-_CROSS = "#c00000"
-_MAX_WIDTH = 1500
-#: Largest world a picture draws (every rank is a cell in every panel).
-PICTURE_LIMIT = 4096
-
-
-def _hex(rgb: RGB) -> str:
-    return "#{:02x}{:02x}{:02x}".format(*rgb)
-
-
-@dataclass(frozen=True)
-class Rect:
-    x: float
-    y: float
-    w: float
-    h: float
-    fill: str
-    stroke: str = "white"
-    stroke_width: float = 1.0
-
-
-@dataclass(frozen=True)
-class Label:
-    x: float
-    y: float
-    text: str
-    size: float
-    fill: str = "black"
-    anchor: str = "start"  # start | middle | end
-    bold: bool = False
-
-
-@dataclass
-class Panel:
-    """One kind's picture: its items, in absolute coordinates."""
-
-    kind: str
-    items: list[Rect | Label] = field(default_factory=list)
-
-
-@dataclass
-class Scene:
-    width: float
-    height: float
-    title: str
-    panels: list[Panel]
-    footer: list[str] = field(default_factory=list)
-
-    def title_lines(self) -> list[str]:
-        return textwrap.wrap(self.title, max(int(self.width // 9), 40)) or [""]
 
 
 def scene(
@@ -73,161 +26,69 @@ def scene(
     columns: int | None = None,
     gpus_per_node: int | None = None,
     footer: Sequence[str] = (),
+    zoom: range | None = None,
 ) -> Scene:
-    """Lay out one panel per kind on a page, panels flowing left to right.
+    """The page for ``rows``: ranks one by one when the world (or the ``zoom`` window) holds at
+    most :data:`RANK_VIEW_LIMIT` ranks, else one cell per node.
 
     ``footer`` lines (the kinds the framework refuses under this config) go under the panels.
     """
-    if world > PICTURE_LIMIT:
+    if zoom is None and world <= RANK_VIEW_LIMIT:
+        zoom = range(world)
+    if zoom is not None:
+        check_zoom(zoom, world)
+        if len(zoom) < world:
+            title += f" · ranks {zoom.start}-{zoom.stop - 1}"
+        drawn = rank_view.panels(rows, world, zoom, columns=columns, gpus_per_node=gpus_per_node)
+        return arrange(title, drawn, footer)
+    drawn = node_view.panels(rows, world, gpus_per_node)
+    return arrange(title, drawn, [*node_view.notes(world, gpus_per_node), *footer])
+
+
+def check_zoom(zoom: range, world: int) -> None:
+    """Refuse a window outside the world or wider than a rank-level picture draws."""
+    if not 0 <= zoom.start < zoom.stop <= world:
         raise UsageError(
-            f"a picture draws every rank; world size {world} is over {PICTURE_LIMIT} "
-            "(the table and --json cover any size)"
+            f"--zoom {zoom.start}:{zoom.stop} is not a window of ranks 0 to {world - 1}; "
+            f"give START:END with 0 <= START < END <= {world}, e.g. --zoom 0:{min(world, 64)}"
         )
-    width = grid_columns(world, gpus_per_node, columns)
-    nrows = -(-world // width)
-    cell = 34.0 if width <= 16 else 26.0
-    label_w = 62.0 if gpus_per_node else 8.0 * len(str(world - 1)) + 10
-    texts = [_texts(row) for row in rows]
-    panel_w = max(
-        [label_w + width * cell + 24] + [max(len(t) * 8.8, len(u) * 6.4) + 24 for t, u in texts]
-    )
-    panel_h = 48 + nrows * cell + 20
-    per_row = max(1, int(_MAX_WIDTH // panel_w))
-    panels = []
-    for i, row in enumerate(rows):
-        x0 = 16 + (i % per_row) * panel_w
-        y0 = 44 + (i // per_row) * panel_h
-        panel = Panel(row.name)
-        name, sub = texts[i]
-        panel.items.append(Label(x0, y0 + 16, name, 14, bold=True))
-        panel.items.append(Label(x0, y0 + 32, sub, 11, fill=_CROSS if row.crossing else "#555"))
-        owner = owners(row.groups, world)
-        crossing = _crossing_ids(row, gpus_per_node)
-        gy = y0 + 42
-        for r in range(nrows):
-            start = r * width
-            if gpus_per_node and start % gpus_per_node == 0:
-                text = f"node {start // gpus_per_node}"
-            else:
-                text = "" if gpus_per_node else str(start)
-            panel.items.append(
-                Label(
-                    x0 + label_w - 6,
-                    gy + r * cell + cell / 2 + 4,
-                    text,
-                    10,
-                    fill="#777",
-                    anchor="end",
-                )
-            )
-        for rank in range(world):
-            r, c = divmod(rank, width)
-            x, y = x0 + label_w + c * cell, gy + r * cell
-            gid = int(owner[rank])
-            if gid < 0:
-                panel.items.append(Rect(x, y, cell, cell, _NONE_FILL, stroke="#ddd"))
-                panel.items.append(
-                    Label(
-                        x + cell / 2,
-                        y + cell / 2 + 4,
-                        str(rank),
-                        cell * 0.33,
-                        fill="#aaa",
-                        anchor="middle",
-                    )
-                )
-                continue
-            rgb = group_colour(gid, len(row.groups))
-            fg = text_colour(rgb)
-            if gid in crossing:
-                panel.items.append(
-                    Rect(x, y, cell, cell, _hex(rgb), stroke=_CROSS, stroke_width=2.5)
-                )
-            else:
-                panel.items.append(Rect(x, y, cell, cell, _hex(rgb)))
-            panel.items.append(
-                Label(
-                    x + cell / 2,
-                    y + cell * 0.5,
-                    str(rank),
-                    cell * 0.36,
-                    fill=fg,
-                    anchor="middle",
-                    bold=True,
-                )
-            )
-            panel.items.append(
-                Label(
-                    x + cell / 2, y + cell * 0.86, f"g{gid}", cell * 0.25, fill=fg, anchor="middle"
-                )
-            )
-        if gpus_per_node and gpus_per_node > width and gpus_per_node % width == 0:
-            for r in range(gpus_per_node // width, nrows, gpus_per_node // width):
-                panel.items.append(
-                    Rect(
-                        x0 + label_w,
-                        gy + r * cell - 1.5,
-                        width * cell,
-                        3,
-                        "#222",
-                        stroke="none",
-                        stroke_width=0,
-                    )
-                )
-        panels.append(panel)
-    total_rows = -(-len(rows) // per_row) if rows else 0
-    width_px = max(32 + min(len(rows), per_row) * panel_w if rows else 400, 420)
-    page = Scene(width_px, 0, title, panels, list(footer))
-    top = 20 * (len(page.title_lines()) - 1)
-    for panel in panels:  # shift everything below a wrapped title
-        panel.items = [_shifted(item, top) for item in panel.items]
-    page.height = 52 + top + total_rows * panel_h + 16 * len(page.footer) + 8
-    return page
+    if len(zoom) > RANK_VIEW_LIMIT:
+        raise UsageError(
+            f"--zoom {zoom.start}:{zoom.stop} holds {len(zoom)} ranks; a rank-level picture "
+            f"draws at most {RANK_VIEW_LIMIT}, e.g. --zoom {zoom.start}:"
+            f"{zoom.start + RANK_VIEW_LIMIT}"
+        )
 
 
-def _shifted(item: Rect | Label, dy: float) -> Rect | Label:
-    return replace(item, y=item.y + dy) if dy else item
-
-
-def _chrome(page: Scene) -> list[Label]:
-    """Title lines on top and footer lines at the bottom of the page."""
-    lines = [
-        Label(16, 26 + 20 * i, text, 16, bold=True) for i, text in enumerate(page.title_lines())
-    ]
-    base = page.height - 16 * len(page.footer) - 12
-    lines += [
-        Label(16, base + 16 * (i + 1) - 4, text, 11, fill="#8a5a00")
-        for i, text in enumerate(page.footer)
-    ]
-    return lines
-
-
-def _texts(row: KindRow) -> tuple[str, str]:
-    """A panel's title and subtitle: ``tp`` / ``[tensor] 8 groups of 2, 4 cross nodes``."""
-    roles = f"[{', '.join(row.roles)}] " if row.roles else ""
-    n = len(row.groups)
-    cross = f", {row.crossing} cross nodes" if row.crossing else ""
-    return row.name, f"{roles}{n} group{'s' if n != 1 else ''} of {row.groups.group_size}{cross}"
-
-
-def _crossing_ids(row: KindRow, gpus_per_node: int | None) -> set[int]:
-    if not gpus_per_node or not row.crossing:
-        return set()
-    nodes = row.groups.array // gpus_per_node
-    return {int(i) for i in (nodes.min(axis=1) != nodes.max(axis=1)).nonzero()[0]}
+def parse_zoom(text: str) -> range:
+    """``START:END`` as the ranks ``range(START, END)``."""
+    start, colon, stop = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        return range(int(start), int(stop))
+    except ValueError:
+        raise UsageError(
+            f"--zoom takes START:END, the ranks START to END-1 (e.g. --zoom 0:64), got {text!r}"
+        ) from None
 
 
 def to_svg(page: Scene) -> str:
-    """The scene as a standalone SVG document; each panel is ``<g class="panel">``."""
+    """The scene as a standalone SVG document; each panel is ``<g class="panel">``, moved into
+    place by a translation; a scaled page keeps its coordinates in ``viewBox``."""
+    width, height = page.pixels
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{page.width:.0f}" '
-        f'height="{page.height:.0f}" viewBox="0 0 {page.width:.0f} {page.height:.0f}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {page.width:.0f} {page.height:.0f}" '
         'font-family="DejaVu Sans, Helvetica, Arial, sans-serif">',
         '<rect width="100%" height="100%" fill="white"/>',
-        *(_svg_label(label) for label in _chrome(page)),
+        *(_svg_label(label) for label in page.chrome()),
     ]
     for panel in page.panels:
-        out.append(f'<g class="panel" data-kind={quoteattr(panel.kind)}>')
+        out.append(
+            f'<g class="panel" data-kind={quoteattr(panel.kind)} '
+            f'transform="translate({panel.x:.1f},{panel.y:.1f})">'
+        )
         out.append(f"<title>{escape(panel.kind)}</title>")
         for item in panel.items:
             out.append(_svg_rect(item) if isinstance(item, Rect) else _svg_label(item))
@@ -256,64 +117,63 @@ def write_svg(page: Scene, path: str | Path) -> Path:
     from meshsim.cli import outputs
 
     text = to_svg(page)
-    outputs.write(str(path), lambda stream: stream.write(text))
+
+    def put(stream: Any) -> None:
+        stream.write(text)
+
+    outputs.write(str(path), put)
     return Path(path)
 
 
-def write_png(page: Scene, path: str | Path, dpi: int = 100) -> Path:
-    """Draw the scene with matplotlib (the ``plot`` extra)."""
-    try:
-        import matplotlib
+def write_png(page: Scene, path: str | Path) -> Path:
+    """Draw the scene with Pillow in matplotlib's DejaVu fonts (the ``plot`` extra installs
+    both): a text at a time, Pillow draws thousands of labels in well under a second, where
+    matplotlib's Agg text took 20 ms each (a 1,024-rank picture took minutes)."""
+    fonts = _fonts()  # refuses first when the plot extra is missing
+    from PIL import Image, ImageDraw
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Rectangle
+    scale = page.scale
+    image = Image.new("RGB", page.pixels, "white")
+    draw = ImageDraw.Draw(image)
+    placed: list[tuple[float, float, Rect | Label]] = [(0, 0, item) for item in page.chrome()]
+    for panel in page.panels:
+        placed += [(panel.x, panel.y, item) for item in panel.items]
+    for dx, dy, item in placed:
+        x, y = (dx + item.x) * scale, (dy + item.y) * scale
+        if isinstance(item, Rect):
+            outline = None if item.stroke == "none" else item.stroke
+            width = max(1, round(item.stroke_width * scale)) if outline else 0
+            box = (x, y, x + max(item.w * scale - 1, 0), y + max(item.h * scale - 1, 0))
+            draw.rectangle(box, fill=item.fill, outline=outline, width=width)
+        else:
+            anchor = {"start": "ls", "end": "rs"}.get(item.anchor, "ms")
+            font = fonts(item.bold, round(item.size * scale * 4) / 4)
+            draw.text((x, y), item.text, fill=item.fill, font=font, anchor=anchor)
+    from meshsim.cli import outputs
+
+    outputs.write(str(path), lambda stream: image.save(stream, format="PNG"), binary=True)
+    return Path(path)
+
+
+def _fonts() -> Callable[[bool, float], Any]:
+    """DejaVu Sans (regular, bold) at any size, from matplotlib's own font folder: found, not
+    imported (importing matplotlib costs half a second)."""
+    spec = importlib.util.find_spec("matplotlib")
+    folders = spec.submodule_search_locations if spec is not None else None
+    folder = Path(next(iter(folders or ["."]))) / "mpl-data" / "fonts" / "ttf"
+    try:
+        from PIL import ImageFont
     except ImportError:
+        folder = Path("/nonexistent")
+    if not (folder / "DejaVuSans.ttf").is_file():
         raise UsageError(
             "--png needs matplotlib: pip install 'meshsim[plot]' "
             "(or use --svg, which needs nothing)"
-        ) from None
-    fig = plt.figure(figsize=(page.width / 100, page.height / 100), dpi=dpi)
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, page.width)
-    ax.set_ylim(page.height, 0)
-    ax.axis("off")
-    points = 72 / 100  # one SVG pixel in points at 100 px per inch
-    items: list[Rect | Label] = list(_chrome(page))
-    for panel in page.panels:
-        items += panel.items
-    for item in items:
-        if isinstance(item, Rect):
-            edge = "none" if item.stroke == "none" else item.stroke
-            ax.add_patch(
-                Rectangle(
-                    (item.x, item.y),
-                    item.w,
-                    item.h,
-                    facecolor=item.fill,
-                    edgecolor=edge,
-                    linewidth=item.stroke_width * points,
-                )
-            )
-        else:
-            ax.text(
-                item.x,
-                item.y,
-                item.text,
-                fontsize=item.size * points,
-                color=item.fill,
-                ha={"start": "left", "end": "right"}.get(item.anchor, "center"),
-                va="baseline",
-                fontweight="bold" if item.bold else "normal",
-            )
-    from meshsim.cli import outputs
-
-    try:
-        outputs.write(
-            str(path),
-            lambda stream: fig.savefig(stream, format="png", dpi=dpi, facecolor="white"),
-            binary=True,
         )
-    finally:
-        plt.close(fig)
-    return Path(path)
+
+    @functools.cache
+    def font(bold: bool, size: float) -> Any:
+        name = "DejaVuSans-Bold.ttf" if bold else "DejaVuSans.ttf"
+        return ImageFont.truetype(str(folder / name), max(size, 1.0))
+
+    return font

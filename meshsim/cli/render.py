@@ -20,12 +20,14 @@ from meshsim.cli.colours import group_colour, text_colour
 from meshsim.model.expected import Expected
 from meshsim.model.groups import Groups, format_groups
 from meshsim.model.invariants import crossing_groups
+from meshsim.model.structure import structure_of
 
 #: Worlds above this print no text grid (``--svg`` draws them).
 GRID_LIMIT = 512
-#: Worlds above this list only the first ``--first`` groups of each kind in ``show --json``
-#: (``groups_complete`` says so): every group of a million ranks is tens of MB of JSON.
-JSON_GROUPS_LIMIT = 1 << 16
+#: ``show --json`` lists, per kind, the first ``--first`` groups as a sample, fewer where they
+#: would hold more ranks than this (``--all-groups`` lists every group): the structure (sizes,
+#: strides, a formula) says the rest, and one group of 131,072 ranks is a megabyte of JSON.
+JSON_SAMPLE_RANKS = 1024
 #: The version of every verb's ``--json`` document (``meshsim/cli/schemas/VERB.json``
 #: describes each): raised when a field changes meaning or goes away, not when one is added.
 JSON_SCHEMA_VERSION = 1
@@ -57,9 +59,14 @@ class KindRow:
     partition: bool
     crossing: int | None  # groups spanning more than one node; None without --gpus-per-node
 
-    def to_json(self, first: int | None = None) -> dict[str, Any]:
-        """``first``: list only that many groups (None: all)."""
-        listed = self.groups.array if first is None else self.groups.array[:first]
+    def to_json(self, first: int | None = None, max_ranks: int | None = None) -> dict[str, Any]:
+        """``first``: list only that many groups (None: all), and no more than fit in
+        ``max_ranks`` ranks (None: no limit). The structure is there either way."""
+        count = len(self.groups) if first is None else first
+        if max_ranks is not None and self.groups.group_size:
+            count = min(count, max_ranks // self.groups.group_size)
+        listed = self.groups.array[:count]
+        found = structure_of(self.groups)
         out: dict[str, Any] = {
             "name": self.name,
             "description": self.description,
@@ -69,6 +76,7 @@ class KindRow:
             "partition": self.partition,
             "groups": listed.tolist(),
             "groups_complete": len(listed) == len(self.groups),
+            "structure": None if found is None else found.to_json(),
         }
         if self.crossing is not None:
             out["groups_crossing_nodes"] = self.crossing
@@ -204,9 +212,12 @@ def show(
 def first_groups(groups: Groups, first: int, budget: int = 48) -> str:
     """Up to ``first`` groups, fewer when they would pass ``budget`` characters (world 64+)."""
     total = len(groups)
-    text = format_groups([groups[0]], 1, total) if total else "[]"
+    # A member takes 3 characters or more, so no more than ``budget`` of a group can show:
+    # 131,072 ranks in one group are cut before they are formatted, not after.
+    head = [tuple(row) for row in groups.array[: max(first, 1), :budget].tolist()]
+    text = format_groups(head[:1], 1, total) if total else "[]"
     for n in range(2, min(first, total) + 1):
-        longer = format_groups([groups[i] for i in range(n)], n, total)
+        longer = format_groups(head[:n], n, total)
         if len(longer) > budget:
             break
         text = longer
@@ -304,18 +315,21 @@ def show_json(
     gpus_per_node: int | None = None,
     only: Collection[str] | None = None,
     first: int = 3,
+    all_groups: bool = False,
 ) -> dict[str, Any]:
-    """``show --json`` without its verb fields: every group of each kind up to world
-    :data:`JSON_GROUPS_LIMIT`, the first ``first`` beyond."""
+    """``show --json`` without its verb fields: each kind's structure and a sample of its
+    groups (the first ``first``, at most :data:`JSON_SAMPLE_RANKS` ranks), or with
+    ``all_groups`` every group (the listing before the structure came, at any world)."""
     unavailable = {n: e for n, e in expected.unavailable().items() if only is None or n in only}
-    cut = None if expected.world_size <= JSON_GROUPS_LIMIT else first
+    sample = {} if all_groups else {"first": first, "max_ranks": JSON_SAMPLE_RANKS}
     return {
         "framework": expected.framework,
         "world_size": expected.world_size,
         "config": dict(expected.config),
         "gpus_per_node": gpus_per_node,
         "roles": dict(expected.roles),
-        "kinds": [row.to_json(cut) for row in rows],
+        "all_groups": all_groups,
+        "kinds": [row.to_json(**sample) for row in rows],
         "unavailable": {
             name: {"error": str(err), "upstream": getattr(err, "upstream", None)}
             for name, err in unavailable.items()

@@ -55,9 +55,8 @@ def run_cli(
 
 
 def _needs_a_process(args: tuple[str, ...]) -> bool:
-    """``sweep`` starts a process pool (``--jobs``) whose helper processes (multiprocessing's
-    resource tracker) outlive the command in the calling process, where the harness tests'
-    leak check would find them: it runs in a subprocess, as before."""
+    """``sweep`` starts worker processes (``--jobs``) and takes SIGINT and SIGTERM over while
+    it runs: it runs in a subprocess, as a user runs it."""
     return bool(os.environ.get("MESHSIM_CLI_SUBPROCESS")) or "sweep" in args[:1]
 
 

@@ -207,9 +207,7 @@ def test_a_report_is_renamed_into_place_whole(tmp_path: Path) -> None:
 def test_a_huge_world_lists_a_few_groups_per_kind(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from meshsim.cli.render import JSON_GROUPS_LIMIT
-
-    world = JSON_GROUPS_LIMIT * 2
+    world = 1 << 17
     mesh = ["--mesh-shape", f"{world // 8},8", "--mesh-dim-names", "dp,tp"]
     result = _run(["show", "torch", "-n", str(world), *mesh, "--json"], capsys)
     assert result.returncode == 0, result.stderr

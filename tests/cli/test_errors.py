@@ -119,12 +119,15 @@ def test_help_lists_the_framework_flags() -> None:
     assert "--num-mp" in result.stdout and "--use-data-before-expert-parallel " in result.stdout
 
 
-def test_picture_of_a_huge_world_is_refused(
+def test_a_zoom_wider_than_a_rank_picture_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """A huge world draws a node-level picture; the rank-level window is what has a limit."""
     target = tmp_path / "x.svg"
     with pytest.raises(SystemExit) as exit_info:
-        main(["show", "megatron", "-n", "8192", "--tp", "8", "--svg", str(target)])
+        main(
+            ["show", "megatron", "-n", "8192", "--tp", "8", "--svg", str(target), "--zoom", "0:512"]
+        )
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "world size 8192 is over 4096" in err
+    assert exit_info.value.code == 2 and "holds 512 ranks" in err and "--zoom 0:256" in err
     assert not target.exists()

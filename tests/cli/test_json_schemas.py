@@ -17,7 +17,7 @@ RUNS = {
     "show": ["show", "megatron", "-n", "8", "--tp", "2", "--gpus-per-node", "4"],
     "diff": ["diff", "megatron", "megatron", "-n", "8", "--tp", "2", "--b-order", "tp-cp-pp-ep-dp"],
     "verify": ["verify", "verl", "-n", "4", "--fsdp-size", "1", "--backend", "fake", "--strict"],
-    "sweep": ["sweep", "-n", "2", "--framework", "torch", "--jobs", "1"],
+    "sweep": ["sweep", "-n", "2", "--framework", "torch", "--jobs", "1", "--gpus-per-node", "1"],
     "meshes": [
         "meshes",
         "olmo-core",

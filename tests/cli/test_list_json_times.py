@@ -55,3 +55,20 @@ def test_verify_prints_wall_time_including_rank_start() -> None:
     assert (
         " s wall (" in text.stdout and " s build+check; the rest starts the ranks)" in text.stdout
     )
+
+
+def test_list_prints_one_line_per_convention_by_default() -> None:
+    """1,144 lines before: every convention's keys and kinds. Now a line each; --all (or naming
+    conventions) gives the full listing, and --json is always full."""
+    result = run_cli("list")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(CONVENTIONS) + 1 and "--all" in lines[0]
+    for name, line in zip(CONVENTIONS, lines[1:]):
+        assert line.split()[0] == name and " keys  " in line
+    megatron = next(line for line in lines if line.startswith("megatron "))
+    assert "15 keys" in megatron and "initialize_model_parallel" in megatron
+    full = run_cli("list", "--all")
+    assert full.returncode == 0, full.stderr
+    assert "--num-pp" in full.stdout and "hyper_comm_grid[tp]" in full.stdout
+    assert len(full.stdout.splitlines()) > 10 * len(lines)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,8 @@ def test_grid_labels_each_rank_with_its_group() -> None:
 
 
 def test_json_is_machine_readable_and_complete() -> None:
-    data = json_of(run_cli("show", *MEGATRON_16, "--json"))
+    data = json_of(run_cli("show", *MEGATRON_16, "--json", "--all-groups"))
+    assert data["all_groups"] is True
     assert data["framework"] == "megatron" and data["world_size"] == 16
     assert data["config"]["order"] == "tp-cp-ep-dp-pp"
     kinds = {k["name"]: k for k in data["kinds"]}
@@ -229,3 +231,50 @@ def test_show_never_imports_torch(tmp_path: Path) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert result.stdout.splitlines()[-1] == "NO-TORCH 1", result.stderr
+
+
+def test_json_gives_each_kind_its_structure_and_a_sample() -> None:
+    """By default a kind is its sizes and strides, a formula and its first groups; the
+    structure alone rebuilds what --all-groups lists."""
+    args = ("show", "megatron", "-n", "64", "--tp", "2", "--pp", "2", "--cp", "2", "--json")
+    summary = json_of(run_cli(*args))
+    full = json_of(run_cli(*args, "--all-groups"))
+    assert summary["all_groups"] is False and full["all_groups"] is True
+    listed = {k["name"]: k for k in full["kinds"]}
+    for kind in summary["kinds"]:
+        name, structure = kind["name"], kind["structure"]
+        assert structure is not None, name
+        assert len(kind["groups"]) == min(3, kind["num_groups"]), name
+        assert kind["groups_complete"] is (kind["num_groups"] <= 3), name
+        assert kind["groups"] == listed[name]["groups"][: len(kind["groups"])], name
+        assert _rebuilt(structure) == sorted(listed[name]["groups"]), name
+        assert structure == listed[name]["structure"], name
+    tp = next(k for k in summary["kinds"] if k["name"] == "tp")
+    assert tp["structure"]["formula"] == "ranks r + i (i < 2) for r = 2a (a < 32)"
+
+
+def _rebuilt(structure: dict[str, Any]) -> list[list[int]]:
+    """Every group, from the structure's numbers only, as a JSON reader would rebuild them."""
+
+    def ranks(first: int, sizes: list[int], strides: list[int]) -> list[int]:
+        out = [first]
+        for size, stride in zip(sizes, strides):
+            out = [base + c * stride for base in out for c in range(size)]
+        return out
+
+    members = ranks(0, structure["members"]["sizes"], structure["members"]["strides"])
+    starts = ranks(**structure["starts"])
+    return sorted([start + m for m in members] for start in starts)
+
+
+def test_json_of_a_huge_world_stays_small() -> None:
+    """131,072 ranks: 55 MB of JSON when every group was listed; a sample holds at most 1,024
+    ranks a kind, so one group of every rank is left to the formula."""
+    result = run_cli("show", "megatron", "-n", str(1 << 17), "--tp", "8", "--json")
+    data = json_of(result)
+    assert len(result.stdout) < 300_000
+    dp = next(k for k in data["kinds"] if k["name"] == "dp")
+    assert dp["group_size"] == 1 << 14 and dp["groups"] == [] and not dp["groups_complete"]
+    assert dp["structure"]["formula"] == "ranks r + 8i (i < 16384) for r < 8"
+    whole = next(k for k in data["kinds"] if k["name"] == "tp-dp")
+    assert whole["structure"]["formula"] == "ranks i (i < 131072)"

@@ -11,6 +11,7 @@ import pytest
 
 import meshsim.verify as verify_module
 from meshsim.cli import sweep as sweeping
+from meshsim.cli.sweep_remote import Chunk, examine
 from meshsim.model.sweep import LayoutCase
 from meshsim.verify import VerifyResult
 
@@ -31,7 +32,7 @@ def test_framework_prints_are_kept_out_of_sweeps_output_and_shown_for_a_failure(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(verify_module, "verify_many", _noisy_verify_many)
-    found = dict(sweeping.results(CASES, "threaded", timeout=5.0, jobs=1))
+    found = {i: answer.result for i, answer in examine(Chunk(CASES, "threaded", 5.0))}
     printed = capfd.readouterr()
     assert "Using topology" not in printed.out + printed.err
     assert "native stderr" not in printed.out + printed.err
@@ -54,5 +55,5 @@ def test_on_the_fake_tier_a_layout_gets_the_output_of_the_batch_it_was_built_in(
             yield VerifyResult(case.framework, 2, case.config, tier, False, None, (), 0.0, None)
 
     monkeypatch.setattr(verify_module, "verify_many", batch)
-    found = dict(sweeping.results(CASES, "fake", timeout=5.0, jobs=1))
+    found = {i: answer.result for i, answer in examine(Chunk(CASES, "fake", 5.0))}
     assert [found[i].output for i in (0, 1)] == ["built the whole batch\n"] * 2

@@ -1,24 +1,16 @@
-"""sweep's reports: progress lines off a terminal, partial JSON/JUnit on SIGINT/SIGTERM, the
-per-tier summary, and the communicate sample."""
+"""sweep's reports: progress lines off a terminal, the per-tier summary, and the communicate
+sample (partial reports on SIGINT/SIGTERM: test_sweep_signals.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
-import time
-import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 
 from meshsim.cli.sweep import plan, sample
 from meshsim.model.sweep import layouts
-from tests.cli.helpers import ROOT, run_cli
+from tests.cli.helpers import run_cli
 
 
 def _sweep_args(**overrides: object) -> argparse.Namespace:
@@ -41,6 +33,16 @@ def test_communicate_sample_is_evenly_spaced_per_convention() -> None:
         ("gloo", 6),
     ]
     assert plan(_sweep_args(), cases) == [("fake", list(range(len(cases))))]
+
+
+def test_later_steps_run_on_and_sample_from_the_layouts_the_first_step_kept() -> None:
+    """--within-node leaves layouts out in the first step; the samples come from the rest."""
+    cases = layouts(8, "torch")
+    every, kept = list(range(len(cases))), [1, 3, 5, 7]
+    steps = plan(_sweep_args(communicate=2), cases, kept)
+    assert steps == [("fake", every), ("threaded", [1, 7]), ("gloo", [1, 7])]
+    crossed = plan(_sweep_args(cross_check=True, backend=None), cases, kept)
+    assert crossed == [("fake", every), ("threaded", kept), ("gloo", kept)]
 
 
 def test_sweep_json_on_stdout_with_per_tier_summary_and_progress_lines() -> None:
@@ -71,79 +73,6 @@ def test_sweep_help_quotes_no_stale_layout_count() -> None:
     text = run_cli("sweep", "--help").stdout
     assert "759" not in text and "779" not in text
     assert "--communicate" in text
-
-
-def _start_sweep(tmp_path: Path, delay: float = 1.0) -> tuple[subprocess.Popen[str], Path, Path]:
-    out_json, out_xml = tmp_path / "sweep.json", tmp_path / "sweep.xml"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshsim",
-            "sweep",
-            "-n",
-            "8",
-            "--jobs",
-            "1",
-            "--json",
-            str(out_json),
-            "--junit-xml",
-            str(out_xml),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    # A hang guard only: the first progress line comes after torch's import.
-    if not select.select([proc.stderr], [], [], 600)[0]:
-        proc.kill()
-        pytest.fail("the sweep printed nothing in 600 s")
-    first = proc.stderr.readline()  # the first progress line: the sweep is running
-    assert "meshsim sweep: fake 0/" in first, first
-    time.sleep(delay)
-    return proc, out_json, out_xml
-
-
-@pytest.mark.parametrize("delay", [0.3, 1.0])
-@pytest.mark.parametrize(
-    ("sig", "name", "code"), [(signal.SIGINT, "SIGINT", 130), (signal.SIGTERM, "SIGTERM", 143)]
-)
-def test_interrupted_sweep_writes_valid_partial_reports(
-    tmp_path: Path, sig: signal.Signals, name: str, code: int, delay: float
-) -> None:
-    """The signal may land anywhere, torch's imports included (early, 0.3 s, is mostly there):
-    an exception raised there used to abort the process or turn exit 130 into death by SIGINT,
-    about one run in six."""
-    proc, out_json, out_xml = _start_sweep(tmp_path, delay)
-    proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=600)  # a hang guard only
-    assert proc.returncode == code, (stdout, stderr)
-    assert "Traceback" not in stderr
-    assert f"interrupted by {name}" in stdout
-    data = json.loads(out_json.read_text())
-    assert data["interrupted"] == name and data["complete"] is False
-    assert data["exit_code"] == code
-    assert data["layouts_done"] == len(data["results"]) < data["layouts_total"]
-    assert data["layouts_total"] == sum(len(layouts(8, f)) for f in _conventions())
-    root = ET.parse(out_xml).getroot()
-    suite = root.find("testsuite")
-    assert suite is not None and suite.get("errors") == "1"
-    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
-    assert props["interrupted"] == name
-    assert int(props["layouts_done"]) == data["layouts_done"]
-    errors = [case for case in suite.iter("testcase") if case.find("error") is not None]
-    assert [case.get("name") for case in errors] == ["interrupted"]
-    assert not list(tmp_path.glob("*.partial"))
-
-
-def _conventions() -> list[str]:
-    from meshsim.model.conventions import CONVENTIONS
-
-    return list(CONVENTIONS)
 
 
 @pytest.mark.slow

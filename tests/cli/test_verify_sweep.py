@@ -18,6 +18,7 @@ import meshsim
 from meshsim.checks import GroupView, Observation, diff
 from meshsim.cli import sweep as sweeping
 from meshsim.cli.main import main
+from meshsim.cli.sweep_remote import Examined
 from meshsim.model.sweep import LayoutCase
 from tests.cli.helpers import ROOT, assert_bad_input, json_of, run_cli
 from tests.releases import needs_unflatten
@@ -210,15 +211,27 @@ def test_sweep_fails_when_tiers_disagree(
     mismatch = diff(_wrong_observations(expected), expected, ["tp"])
     cases = meshsim.layouts(8, "megatron")[:3]
 
-    def results(
-        cases_: Any, tier: str, timeout: float, jobs: int, real: bool = False
-    ) -> Iterator[tuple[int, Any]]:
-        for i, case in enumerate(cases_):
-            broken = tier == "threaded" and i == 1  # one tier sees another group on one layout
-            yield i, _result(case, tier, mismatch if broken else None)
+    class InProcess:
+        """The sweep's workers answering here, one tier seeing another group on one layout."""
+
+        def __init__(self, jobs: int) -> None:
+            pass
+
+        def run(self, chunks: Any, stop: Any, *, parallel: bool) -> Iterator[tuple[int, int, Any]]:
+            for c, chunk in enumerate(chunks):
+                for i, case in enumerate(chunk.cases):
+                    broken = chunk.tier == "threaded" and case == cases[1]
+                    result = _result(case, chunk.tier, mismatch if broken else None)
+                    yield c, i, Examined(result, [] if chunk.first else None)
+
+        def close(self, stop: Any) -> None:
+            pass
+
+        def kill(self) -> None:
+            pass
 
     monkeypatch.setattr(sweeping, "collect_cases", lambda *a: cases)
-    monkeypatch.setattr(sweeping, "results", results)
+    monkeypatch.setattr(sweeping, "Workers", InProcess)
     junit = tmp_path / "j.xml"
     assert main(["sweep", "-n", "8", "--cross-check", "--junit-xml", str(junit)]) == 1
     out = capsys.readouterr().out
