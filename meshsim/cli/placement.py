@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshsim.errors import LayoutError, UsageError
 from meshsim.model.expected import ROLES, Expected
 from meshsim.model.invariants import crossing_groups
 from meshsim.model.sweep import LayoutCase
 
-if TYPE_CHECKING:
-    from meshsim.cli.sweep_report import Report
+#: The sweep's report (``meshsim.cli.sweep_report.Report``), which imports this module.
+Report = Any
 
 #: Evenly spaced layouts per convention whose kinds ``--within-node`` names are checked
 #: against, besides one layout per degree above one (see ``_sample``).

@@ -171,6 +171,8 @@ def unsupported(
         refused = _framework_raises(framework, world_size, config)
         if refused is not None:
             return refused
+        if framework == "torchtitan":  # degrees left out or -1: read them as inferred
+            config = {**config, **_inferred_degrees(framework, world_size, config)}
     if framework == "transformers" and world_size is not None:
         return _transformers_unsupported(world_size, config)
     if framework == "verl" and config.get("strategy", "fsdp") not in ("fsdp", "fsdp2"):
@@ -193,6 +195,19 @@ def unsupported(
             "that (ValueError; torch >= 2.10 accepts it)"
         )
     return None
+
+
+def _inferred_degrees(framework: str, world_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The degrees the framework infers (``dp_shard=-1``, or left out), as numbers."""
+    from meshsim.errors import LayoutError
+    from meshsim.model.conventions import expect
+
+    try:
+        normalized = expect(framework, world_size, **config).config
+    except LayoutError:
+        return {}
+    degrees = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+    return {k: normalized[k] for k in degrees if isinstance(normalized.get(k), int)}
 
 
 def _framework_raises(framework: str, world_size: int, config: Mapping[str, Any]) -> str | None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, final
 
 from meshsim.model.expected import Expected
 
@@ -39,6 +41,42 @@ def ordered_factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
             yield (d, *rest)
 
 
+def spread(
+    configs: Iterable[Mapping[str, Any]],
+    axes: Sequence[str],
+    sizes: Callable[[Mapping[str, Any]], Mapping[str, int]] | None = None,
+) -> list[dict[str, Any]]:
+    """A few of ``configs`` in which each of ``axes``, and each pair of them, is above 1 at
+    least once (where any config has it so): the layouts an option is crossed with where
+    crossing it with every layout would make the sweep too slow to run live.
+
+    Greedy: each pick adds the most single axes and pairs not yet seen (the earliest config on
+    a tie), so the result is the same on every run and keeps the configs' order. ``sizes``
+    gives a config's axis sizes where they are not its own keys (a missing key counts as 1).
+    Example: of world 8's ``{"tp": 8}``, ``{"dp": 2, "tp": 4}`` and ``{"dp": 8}`` over
+    ``("dp", "tp")``, only ``{"dp": 2, "tp": 4}`` is picked.
+    """
+    listed = [dict(c) for c in configs]
+    features = [_features(sizes(c) if sizes else c, axes) for c in listed]
+    wanted = set().union(*features) if features else set()
+    picked: list[int] = []
+    while wanted:
+        best = max(range(len(listed)), key=lambda i: (len(features[i] & wanted), -i))
+        picked.append(best)
+        wanted -= features[best]
+    return [listed[i] for i in sorted(picked)]
+
+
+def _features(sizes: Mapping[str, Any], axes: Sequence[str]) -> set[frozenset[str]]:
+    """The axes above 1, one by one and in pairs."""
+    above = [a for a in axes if _size(sizes.get(a, 1)) > 1]
+    return {frozenset(c) for n in (1, 2) for c in itertools.combinations(above, n)}
+
+
+def _size(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
 @dataclass(frozen=True)
 class LayoutCase:
     """One framework config at one world size: a pytest parameter with a readable id."""
@@ -51,7 +89,11 @@ class LayoutCase:
     def id(self) -> str:
         parts = [self.framework, str(self.world_size)]
         for key, value in self.config.items():
-            if isinstance(value, Mapping):  # e.g. megatron's hyper_comm_grid
+            # megatron's hyper_comm_grid, torch's explicit mesh tensor: nested values
+            if isinstance(value, Mapping) or (
+                isinstance(value, (list, tuple))
+                and any(isinstance(v, (list, tuple, Mapping)) for v in value)
+            ):
                 value = _compact(value)
             elif isinstance(value, (list, tuple)):
                 value = ",".join(map(str, value)) if value else "-"
@@ -146,6 +188,122 @@ def refused_configs(
         for config in convention(name).refused_configs(world_size):
             cases.append(RefusedCase(name, world_size, config))
     return cases
+
+
+@final
+class _Default:
+    """The value of a key a case leaves out: the framework's default."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "default"
+
+
+#: Among :func:`varied_options`' values: cases that leave the key out (the framework's default).
+DEFAULT: Final = _Default()
+
+
+def varied_options(
+    framework: str,
+    world_size: int,
+    cases: Iterable[LayoutCase] | None = None,
+    **options: Any,
+) -> dict[str, tuple[Any, ...]]:
+    """Config key -> the values a sweep gives it, for each key it gives two values or more.
+
+    The sweep is ``cases`` (those of ``framework``), by default ``layouts(world_size,
+    framework, **options)``; pass the cases a run keeps (``sweep --real`` drops the lines only
+    the reference models) to describe that run. :data:`DEFAULT` stands for the cases that leave
+    the key out; values come sorted where they compare, :data:`DEFAULT` first. Keys follow the
+    convention's ``PARAMETERS``. Example: ``varied_options("torchtitan", 8)["spmd_backend"]``
+    is ``(default, 'full_dtensor', 'partial_dtensor')``.
+    """
+    from meshsim.model.conventions import convention
+
+    parameters = convention(framework).PARAMETERS
+    values = _values(framework, world_size, cases, options)
+    return {key: values[key] for key in parameters if len(values[key]) > 1}
+
+
+def fixed_options(
+    framework: str,
+    world_size: int,
+    cases: Iterable[LayoutCase] | None = None,
+    **options: Any,
+) -> dict[str, str]:
+    """Config key -> why the sweep keeps it at one value: every key :func:`varied_options`
+    leaves out, with the convention's reason (``SWEEP_FIXED``: it builds no group, takes one
+    value, is a callable, ...) and the one value the sweep gives it.
+
+    Example: ``fixed_options("torchtitan", 8)["ulysses_degree"]`` says it only validates a
+    hyper_parallel config (no group depends on it) and that every case leaves it out.
+    """
+    from meshsim.model.conventions import convention
+
+    module = convention(framework)
+    reasons: Mapping[str, str] = getattr(module, "SWEEP_FIXED", {})
+    values = _values(framework, world_size, cases, options)
+    fixed: dict[str, str] = {}
+    for key in module.PARAMETERS:
+        if len(values[key]) > 1:
+            continue
+        (value,) = values[key] or (DEFAULT,)
+        held = "every case leaves it out" if value is DEFAULT else f"every case sets {value!r}"
+        why = reasons.get(key, f"no valid config at world {world_size} gives it another value")
+        fixed[key] = f"{why} ({held})"
+    return fixed
+
+
+def _values(
+    framework: str,
+    world_size: int,
+    cases: Iterable[LayoutCase] | None,
+    options: Mapping[str, Any],
+) -> dict[str, tuple[Any, ...]]:
+    """Config key -> the distinct values ``cases`` give it (DEFAULT where a case leaves it
+    out), for every key of the convention."""
+    from meshsim.model.conventions import convention
+
+    if cases is None:
+        cases = layouts(world_size, framework, **options)
+    configs = [c.config for c in cases if c.framework == framework]
+    found: dict[str, tuple[Any, ...]] = {}
+    for key in convention(framework).PARAMETERS:
+        distinct: dict[str, Any] = {}
+        for config in configs:
+            value = config.get(key, DEFAULT)
+            distinct.setdefault(repr(value), value)
+        found[key] = _ordered(list(distinct.values()))
+    return found
+
+
+def _ordered(values: list[Any]) -> tuple[Any, ...]:
+    """DEFAULT first, then the values sorted where they compare (else as first met)."""
+    rest = [v for v in values if v is not DEFAULT]
+    with contextlib.suppress(TypeError):  # e.g. megatron's grids: dicts do not compare
+        rest = sorted(rest)
+    return ((DEFAULT,) if len(rest) < len(values) else ()) + tuple(rest)
+
+
+def describe_options(
+    varied: Mapping[str, tuple[Any, ...]], most: int = 6, width: int = 32
+) -> list[str]:
+    """One line per varied key for a console: ``spmd_backend: default, full_dtensor,
+    partial_dtensor``. Past ``most`` values, the first ones and how many there are; a value
+    longer than ``width`` characters is cut (megatron's ``hyper_comm_grid`` takes 24 grids of
+    ~200 characters at world 8)."""
+    lines = []
+    for key, values in varied.items():
+        shown = [_cut(_compact(v), width) for v in values]
+        if len(shown) > most:
+            shown = [*shown[: most - 1], f"... ({len(values)} values)"]
+        lines.append(f"{key}: {', '.join(shown)}")
+    return lines
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _names(framework: str | Sequence[str] | None) -> Sequence[str]:

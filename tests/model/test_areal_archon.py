@@ -74,7 +74,7 @@ def test_dp_replicate_is_accepted_and_ignored() -> None:
 
 def test_every_sweep_config_holds_the_invariants() -> None:
     configs = list(areal_archon.configs(8))
-    assert len(configs) == 61
+    assert len(configs) == 64  # 61 with dp_shard inferred, 3 with it given
     for config in configs:
         assert find_violations(archon(8, **config)) == [], config
 

@@ -559,8 +559,9 @@ def test_expert_groups_match_the_loops(
 
 def test_configs() -> None:
     cases = list(deepspeed.configs(8, helpers=False))
-    assert len(cases) == 10 + 40 + 8  # shapes, MoE-layer paths, direct mp_size calls
-    assert len(list(deepspeed.configs(8))) == 70  # + 4 bare (pipe, data) topologies, 8 helpers
+    # shapes, the grid's default and 4 PipeDataParallelTopology, MoE-layer paths, direct mp_size
+    assert len(cases) == 10 + 1 + 4 + 40 + 8
+    assert len(list(deepspeed.configs(8))) == 75  # + 4 bare (pipe, data) topologies, 8 helpers
     moe = [c for c in cases if "ep" in c and "mp_size" not in c]
     assert {c["enable_expert_tensor_parallelism"] for c in moe} == {False, True}
     assert sum(c["enable_expert_tensor_parallelism"] for c in moe) == 20
@@ -569,8 +570,8 @@ def test_configs() -> None:
         for name in exp.kinds():
             kind = exp.kind(name)
             assert kind.groups().is_partition_of(8) == kind.partition, (case, name)
-    assert len(list(deepspeed.configs(8, moe=False, helpers=False))) == 10
-    assert len(list(deepspeed.configs(8, moe=False))) == 10 + 12
+    assert len(list(deepspeed.configs(8, moe=False, helpers=False))) == 10 + 1 + 4
+    assert len(list(deepspeed.configs(8, moe=False))) == 10 + 1 + 4 + 12
     assert meshsim.layouts(2, "deepspeed")[0].id == "deepspeed-2-num_pp=1-num_mp=1-num_dp=2"
 
 

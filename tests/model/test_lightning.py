@@ -90,7 +90,7 @@ def test_unknown_key_names_the_strategy_parameter() -> None:
 
 def test_sweep_lists_each_split_and_each_auto_default() -> None:
     cases = meshsim.layouts(8, "lightning")
-    assert len(cases) == 8
+    assert len(cases) == 12
     shapes = {tuple(c.expect().layout.shape) for c in cases}  # type: ignore[union-attr]
     assert shapes == {(1, 8), (2, 4), (4, 2), (8, 1)}
     assert len(meshsim.layouts(8, "lightning", auto=False)) == 4

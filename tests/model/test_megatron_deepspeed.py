@@ -373,15 +373,18 @@ def test_equals_megatron_tp_dp_pp_for_every_world_up_to_64() -> None:
 
 def test_configs() -> None:
     cases = list(megatron_deepspeed.configs(8))
-    # per variant: tp × pp × dp factorizations (10), then sp in 2, 4, 8
-    assert len(cases) == 2 * (10 + 3)
-    assert [c["variant"] for c in cases] == ["upstream"] * 13 + ["habana-2024"] * 13
+    # per variant: tp × pp × dp factorizations (10), then sp in 2, 4, 8, then a split rank
+    # and the flags off over a few of those
+    assert len(cases) == 2 * (10 + 3 + 1 + 2)
+    assert [c["variant"] for c in cases] == ["upstream"] * 16 + ["habana-2024"] * 16
     for case in cases:
         exp = expect(8, **case)
-        assert {"amax", "dp:gloo"} <= set(exp.kinds())
+        flags = case["use_fp8"] and case["use_distributed_optimizer"]
+        assert ({"amax", "dp:gloo"} <= set(exp.kinds())) == flags, case
+    assert sum(not c["use_fp8"] for c in cases) == 2 * 2
     plain = list(megatron_deepspeed.configs(8, use_fp8=False, use_distributed_optimizer=False))
     assert all(not c["use_fp8"] and not c["use_distributed_optimizer"] for c in plain)
-    assert len(list(megatron_deepspeed.configs(8, variant="habana-2024"))) == 13
+    assert len(list(megatron_deepspeed.configs(8, variant="habana-2024"))) == 16
     ids = [case.id for case in meshsim.layouts(4, "megatron-deepspeed")]
     assert any("variant=habana-2024" in i and "sp=4" in i for i in ids), ids
 

@@ -386,13 +386,17 @@ def test_get_dp_mesh_refuses_a_mesh_with_dp_cp() -> None:
 # -- configs() -------------------------------------------------------------------------------------
 def test_configs_count_and_validity() -> None:
     configs = list(olmo_core.configs(8))
-    assert len(configs) == 90
+    assert len(configs) == 90 + 14  # + the spellings OLMo-core resolves itself (option_configs)
     assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
     assert {c.get("dp") for c in configs} == {None, "ddp", "fsdp", "hsdp"}
     assert any("ep" in c for c in configs) and any("expert_mesh_ep" in c for c in configs)
     for config in configs:
         olmo(8, **config)
-    assert list(olmo_core.configs(1, dp_types=["ddp"], expert_mesh=False)) == [{}, {"dp": "ddp"}]
+    assert list(olmo_core.configs(1, dp_types=["ddp"], expert_mesh=False)) == [
+        {},
+        {"dp": "ddp"},
+        {"dp": "ddp", "pp": 1, "cp": 1, "tp": 1},
+    ]
 
 
 def test_layouts_gives_olmo_cases() -> None:

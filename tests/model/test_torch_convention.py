@@ -117,7 +117,9 @@ def test_unknown_framework_and_bad_world() -> None:
 
 def test_sweep_every_factorization_and_invariants() -> None:
     cases = meshsim.layouts(8, "torch")
-    assert len(cases) == len(list(ordered_factorizations(8, 4))) == 20
+    shapes = [c for c in cases if c.config.keys() == {"mesh_shape", "mesh_dim_names", "ops"}]
+    assert len(shapes) == len(list(ordered_factorizations(8, 4))) == 20
+    assert len(cases) == 20 + 3 * 3  # a rank tensor, an unflatten, a fake dim: 3 shapes each
     assert len({c.id for c in cases}) == len(cases)
     for case in cases:
         expected = case.expect()

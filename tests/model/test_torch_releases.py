@@ -91,7 +91,7 @@ def test_torchtitan_sweeps_only_what_the_release_builds(monkeypatch):
     for case in old:  # every enumerated case is one the release builds
         expect("torchtitan", 8, **case.config)
     monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "newest")
-    assert len(layouts(8, "torchtitan")) == 340
+    assert len(layouts(8, "torchtitan")) == 368
 
 
 @pytest.mark.parametrize(

@@ -492,11 +492,12 @@ def test_meshsim_refusals(config: dict[str, Any], message: str) -> None:
 def test_configs_are_valid_distinct_and_few() -> None:
     configs = list(torchtitan.configs(8))
     assert len(configs) <= 400
+    # the degree layouts, then the other backends and dp_shard=-1 over 4 of them (spread)
     assert Counter(c["version"] for c in configs) == {
-        "current": 98,
-        "intermediate": 110,
-        "legacy": 92,
-        "hyper_parallel": 40,
+        "current": 98 + 2 * 4 + 4,
+        "intermediate": 110 + 4 + 4,
+        "legacy": 92 + 4,
+        "hyper_parallel": 40 + 4,
     }
     assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
     for config in configs:
@@ -505,14 +506,17 @@ def test_configs_are_valid_distinct_and_few() -> None:
 
 def test_configs_options() -> None:
     current = list(torchtitan.configs(4, versions=["current"]))
+    layouts = [c for c in current if "spmd_backend" not in c and c["dp_shard"] != -1]
+    inferred = [c for c in current if c["dp_shard"] == -1]
+    assert {c.get("spmd_backend") for c in current} == {None, "partial_dtensor", "full_dtensor"}
     both = list(
         torchtitan.configs(4, versions=["current"], spmd_backends=["spmd_types", "partial_dtensor"])
     )
-    assert len(both) == 2 * len(current)
+    assert len(both) == 2 * len(layouts) + len(inferred)
     assert {c.get("spmd_backend") for c in both} == {None, "partial_dtensor"}
     assert all(c["version"] == "current" for c in current)
     every = list(torchtitan.configs(4, versions=["current"], spmd_backends=["full_dtensor"]))
-    assert len(every) == len(current)
+    assert len(every) == len(layouts) + len(inferred)
     assert {c["spmd_backend"] for c in every} == {"full_dtensor"}
     for config in every:
         titan(4, **config)

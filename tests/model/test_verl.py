@@ -139,7 +139,7 @@ def test_every_listed_refusal_is_refused() -> None:
 
 def test_sweep_size_and_validity() -> None:
     cases = meshsim.layouts(8, "verl")
-    assert len(cases) == 51
+    assert len(cases) == 57
     assert len(meshsim.layouts(8, "verl", torchtitan=False)) == 32
 
 

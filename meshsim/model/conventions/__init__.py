@@ -4,7 +4,10 @@ Each convention module provides:
 
 * ``expect(world_size, **config) -> Expected`` with the framework's own parameter names;
 * ``configs(world_size, **options) -> Iterator[dict]``: every valid config for a world size;
-* ``PARAMETERS``: config key -> one-line description (used by the CLI's flags and help).
+* ``PARAMETERS``: config key -> one-line description (used by the CLI's flags and help);
+* optionally ``SWEEP_FIXED``: config key -> why ``configs`` never varies it (it builds no group,
+  takes one value, is a callable); every other key that changes the groups is varied, and
+  ``meshsim.model.sweep.fixed_options`` reports the rest.
 """
 
 from __future__ import annotations

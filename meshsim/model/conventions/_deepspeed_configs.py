@@ -13,17 +13,23 @@ __all__ = ["configs", "refused_configs"]
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every ``PipeModelDataParallelTopology`` of ``world_size``, then each with every MoE
-    ``ep > 1`` dividing ``num_dp``, in E + D and D + E layouts, each with
-    ``enable_expert_tensor_parallelism`` False and True, then (``num_mp > 1``) the direct
-    ``mp_size=num_mp`` call in both ``mp_mode`` s (``moe=False`` skips the MoE configs). The two
-    MoE-layer paths differ only when ``num_mp > 1``; both are swept everywhere so that the sweep
-    shows they agree otherwise. ``helpers=False`` skips the rest: a bare ``(pipe, data)``
-    topology (``grid=False``) for each split, and AutoTP / ``_create_model_parallel`` for every
-    size. World 8 gives 70 configs; :func:`refused_configs` lists the rejected ones."""
+    """Every ``PipeModelDataParallelTopology`` of ``world_size``; then the topologies DeepSpeed
+    picks itself: ``PipelineParallelGrid``'s default split (``{}``: no topology given) and
+    ``PipeDataParallelTopology`` (``num_mp`` left out: no model axis) for each (pipe, data)
+    split. Then each ``PipeModelDataParallelTopology`` with every MoE ``ep > 1`` dividing
+    ``num_dp``, in E + D and D + E layouts, each with ``enable_expert_tensor_parallelism`` False
+    and True, then (``num_mp > 1``) the direct ``mp_size=num_mp`` call in both ``mp_mode`` s
+    (``moe=False`` skips the MoE configs). The two MoE-layer paths differ only when
+    ``num_mp > 1``; both are swept everywhere so that the sweep shows they agree otherwise.
+    ``helpers=False`` skips the rest: a bare ``(pipe, data)`` topology (``grid=False``) for each
+    split, and AutoTP / ``_create_model_parallel`` for every size. World 8 gives 75 configs;
+    :func:`refused_configs` lists the rejected ones."""
     shapes = list(ordered_factorizations(world_size, 3))
     for num_pp, num_mp, num_dp in shapes:
         yield {"num_pp": num_pp, "num_mp": num_mp, "num_dp": num_dp}
+    yield {}
+    for num_pp, num_dp in ordered_factorizations(world_size, 2):
+        yield {"num_pp": num_pp, "num_dp": num_dp}
     if options.get("moe", True):
         yield from _moe_configs(shapes)
     if not options.get("helpers", True):

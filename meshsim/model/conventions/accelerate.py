@@ -62,6 +62,11 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "autotp_size": "DeepSpeed plugin config tensor_parallel.autotp_size: _prepare_deepspeed's 1-D "
     "('tp',) mesh (DEEPSPEED only; None/0/1: none)",
 }
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "cp_backend": "accelerate accepts one value, 'torch', the default",
+    "sp_backend": "accelerate accepts one value, 'deepspeed', the default",
+}
 
 VERSIONS: Final = ("1.15", "1.10")
 #: Spellings of each version: ``--version 1.10`` on the command line arrives as the float 1.1.

@@ -12,6 +12,7 @@ with EP, ``ep`` (``dp_shard_in_ep x cp``, x ``tp`` when ``etp`` is 1) and the 2-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -21,7 +22,7 @@ from meshsim.model.conventions import reject_unknown, upstream_error
 from meshsim.model.conventions.areal_fsdp import engine_roles
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import divisors, ordered_factorizations, spread
 
 PARAMETERS: Final[Mapping[str, str]] = {
     "dp_shard": "ArchonParallelDims.dp_shard (default -1: world / (tp x cp x pp))",
@@ -173,19 +174,30 @@ def expect(world_size: int, **config: Any) -> Expected:
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every (pp, cp, tp) split with dp_shard inferred, then each valid ep for etp 1 and tp.
+    """Every (pp, cp, tp) split with dp_shard inferred, then each valid ep for etp 1 and tp;
+    then a few of them (:func:`~meshsim.model.sweep.spread`) with ``dp_shard`` given.
 
-    Only keys that differ from the defaults are given. World 8 gives 61 configs.
+    Only keys that differ from the defaults are given. World 8 gives 64 configs.
     """
+    listed: list[dict[str, Any]] = []
     for pp, cp, tp, dp_shard in ordered_factorizations(world_size, 4):
         base = {k: v for k, v in (("pp", pp), ("cp", cp), ("tp", tp)) if v > 1}
-        yield base
+        listed.append(base)
         for etp in (1, tp) if tp > 1 else (1,):
             borrowed = cp if etp == tp else cp * tp
             for ep in divisors(dp_shard * borrowed)[1:]:
                 if ep % borrowed == 0:
-                    yield {**base, "ep": ep, **({"etp": etp} if etp > 1 else {})}
+                    listed.append({**base, "ep": ep, **({"etp": etp} if etp > 1 else {})})
+    yield from listed
     yield {"dp_shard": world_size, "dp_replicate": 2}  # ignored: the same mesh as {}
+
+    # dp_shard given rather than inferred: the branch of __post_init__ that only checks it.
+    def inferred(config: Mapping[str, Any]) -> dict[str, Any]:
+        shard = world_size // math.prod(config.get(k, 1) for k in ("pp", "cp", "tp"))
+        return {"dp_shard": shard, **config}
+
+    for config in spread(listed, ("dp_shard", "pp", "cp", "tp", "ep"), inferred):
+        yield inferred(config)
 
 
 def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:

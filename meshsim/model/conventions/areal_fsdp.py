@@ -34,6 +34,10 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "expert_tensor_parallel_size": "ParallelStrategy.expert_tensor_parallel_size (default 1; "
     "with EP it must be 1 or tensor_parallel_size)",
 }
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "pipeline_parallel_size": "the FSDP engine refuses any value but 1 (refused_configs lists it)",
+}
 
 _KEYS: Final = tuple(PARAMETERS)
 _PURPOSES: Final[Mapping[str, str]] = {

@@ -47,6 +47,11 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "mp_mode": "'tp' (build_folding_spec's default) or 'sp'; the engine passes 'tp' when "
     "tp_size > 1 else 'sp'. It picks gradient strategies, never groups",
 }
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "etp_size": "DeepSpeed takes 1 only (validate_folding_global refuses any other; "
+    "refused_configs lists it)",
+}
 
 #: ``build_folding_spec`` names the sizes by their config paths in its messages.
 _CONFIG_PATH: Final[Mapping[str, str]] = {

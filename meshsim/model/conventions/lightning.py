@@ -100,15 +100,20 @@ def _resolve(world_size: int, config: Mapping[str, Any]) -> tuple[int, int, int]
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every explicit (dp, tp) split of the world, then the all-"auto" default per node count.
+    """Every explicit (dp, tp) split of the world, then the all-"auto" default per node count,
+    then one size "auto" beside the other given, per node count between 1 and the world.
 
-    ``auto=False`` drops the "auto" configs (each repeats an explicit split). World 8 gives 8.
+    ``auto=False`` drops the "auto" configs (each repeats an explicit split). World 8 gives 12.
     """
     for dp in divisors(world_size):
         yield {"data_parallel_size": dp, "tensor_parallel_size": world_size // dp}
     if options.get("auto", True):
         for nodes in divisors(world_size):
             yield {"num_nodes": nodes} if nodes > 1 else {}
+        # Each "auto" alone: the strategy resolves the two sizes in separate branches.
+        for nodes in divisors(world_size)[1:-1]:
+            yield {"data_parallel_size": nodes, "num_nodes": nodes}
+            yield {"tensor_parallel_size": world_size // nodes, "num_nodes": nodes}
 
 
 def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:

@@ -32,6 +32,7 @@ from meshsim.errors import LayoutError
 from meshsim.model.conventions import reject_unknown
 from meshsim.model.conventions._megatron_config import Sizes, flag, validate
 from meshsim.model.conventions._megatron_grid import grid_kinds, parse_spec
+from meshsim.model.conventions._megatron_options import option_configs
 from meshsim.model.conventions._megatron_ranks import (
     IntArray,
     RankGenerator,
@@ -77,6 +78,15 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "create_all_gather_group": "also make a second dp-cp group for all-gathers (default False)",
     "hyper_comm_grid": "a HyperCommGrid built beside: "
     '{"shape": [2, 4], "dim_names": ["tp", "dp"], "pgs": ["tp", ["tp", "dp"]], "rank_offset": 0}',
+}
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "virtual_pipeline_model_parallel_size": "only checked (it needs pp > 1); "
+    "initialize_model_parallel builds no group from it",
+    "get_embedding_ranks": "a callable, which a sweep case cannot hold (cases are written to "
+    "JSON and JUnit); tests/model/test_megatron.py and tests/real/test_megatron.py cover it",
+    "get_position_embedding_ranks": "a callable, which a sweep case cannot hold (cases are "
+    "written to JSON and JUnit); tests/model/test_megatron.py covers it",
 }
 
 #: Roles. ``loss`` is dp-cp: megatron's training loop all-reduces the loss sum and token count
@@ -365,8 +375,10 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     Options: ``orders`` (default ``tp-cp-ep-dp-pp`` and ``tp-cp-ep-pp-dp``), ``all_orders=True``
     for all 120 permutations, ``expert=False`` to keep ep = 1 and etp = tp. Configs that
     megatron-core rejects (e.g. a pp-not-last order with unequal dense and expert dp) are skipped.
-    ``hyper_comm_grid=False`` leaves out the :func:`grid_configs` that follow (they are listed
-    only with the default orders).
+    Then the options that change the groups, each over a few layouts, and further order strings
+    (``_megatron_options.option_configs``; ``options=False`` leaves them out), and the
+    :func:`grid_configs` (``hyper_comm_grid=False`` leaves them out); both are listed only with
+    the default orders. World 8 gives 289 + 43 configs.
     """
     if options.get("all_orders"):
         orders: Sequence[str] = [
@@ -375,6 +387,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     else:
         orders = list(options.get("orders", (DEFAULT_ORDER, "tp-cp-ep-pp-dp")))
     with_expert = options.get("expert", True)
+    first: list[dict[str, Any]] = []
     for order in orders:
         for tp, cp, pp, _dp in ordered_factorizations(world_size, 4):
             expert_sizes = [
@@ -395,8 +408,12 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
                     validate(world_size, config, order)
                 except LayoutError:
                     continue
+                if order == orders[0]:
+                    first.append(config)
                 yield config
     default_orders = "orders" not in options and not options.get("all_orders")
+    if options.get("options", True) and default_orders:
+        yield from option_configs(world_size, first, orders)
     if options.get("hyper_comm_grid", True) and default_orders:
         yield from grid_configs(world_size)
 

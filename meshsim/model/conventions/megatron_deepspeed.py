@@ -35,7 +35,7 @@ from meshsim.model.conventions import check, reject_unknown
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import divisors, ordered_factorizations, spread
 
 VARIANTS: Final = ("upstream", "habana-2024")
 
@@ -49,6 +49,11 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "pipeline_model_parallel_split_rank": "first decoder stage of an encoder-decoder pipeline",
     "use_fp8": "also build the FP8 amax-reduction groups (default False)",
     "use_distributed_optimizer": "also build a gloo twin of each dp group (default False)",
+}
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "virtual_pipeline_model_parallel_size": "only checked (it needs pp > 2); "
+    "initialize_model_parallel builds no group from it",
 }
 
 #: Roles per variant. Both feed DeepSpeed ``get_sequence_data_parallel_group()`` (seq_dp) for
@@ -307,10 +312,13 @@ def _embedding_kinds(
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Per variant: every tp × pp config (sp = 1), then every sp > 1 config (tp = pp = 1).
+    """Per variant: every tp × pp config (sp = 1), then every sp > 1 config (tp = pp = 1);
+    then, over a few of those (:func:`~meshsim.model.sweep.spread`), the options that change
+    the groups: ``pipeline_model_parallel_split_rank`` 1 (a middle stage joins the embedding
+    groups from pp = 3 on) and both flags at their default, False.
 
     Options: ``variant`` (default: both), ``use_fp8`` and ``use_distributed_optimizer``
-    (default True, so sweeps cover the amax groups and the gloo twins).
+    (default True, so sweeps cover the amax groups and the gloo twins). World 8 gives 32.
     """
     variants = (options["variant"],) if "variant" in options else VARIANTS
     flags = {
@@ -318,15 +326,29 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
         "use_distributed_optimizer": bool(options.get("use_distributed_optimizer", True)),
     }
     for variant in variants:
+        listed: list[dict[str, Any]] = []
         for tp, pp, _dp in ordered_factorizations(world_size, 3):
-            yield {
-                "variant": variant,
-                "tensor_model_parallel_size": tp,
-                "pipeline_model_parallel_size": pp,
-                **flags,
-            }
+            listed.append(
+                {
+                    "variant": variant,
+                    "tensor_model_parallel_size": tp,
+                    "pipeline_model_parallel_size": pp,
+                    **flags,
+                }
+            )
         for sp in divisors(world_size)[1:]:
-            yield {"variant": variant, "sequence_parallel_size": sp, **flags}
+            listed.append({"variant": variant, "sequence_parallel_size": sp, **flags})
+        yield from listed
+        axes = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        # A middle stage (pp > 2) changes both embedding groups; at pp = 2 it is the last one.
+        staged = [c for c in listed if c.get("pipeline_model_parallel_size", 1) > 2] or [
+            c for c in listed if c.get("pipeline_model_parallel_size", 1) > 1
+        ]
+        for config in spread(staged, axes):
+            yield {**config, "pipeline_model_parallel_split_rank": 1}
+        off = {key: False for key in flags}
+        if any(flags.values()):
+            yield from ({**c, **off} for c in spread(listed, (*axes, "sequence_parallel_size")))
 
 
 def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:

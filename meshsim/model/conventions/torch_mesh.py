@@ -34,7 +34,7 @@ from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import _torch_backend, _torch_roles, reject_unknown
 from meshsim.model.expected import ROLES, Expected, Kind, layout_kind
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import divisors, ordered_factorizations, spread
 
 PARAMETERS: Final[Mapping[str, str]] = {
     "mesh_shape": "sizes of the mesh dims, outermost first (default: (world_size,))",
@@ -44,6 +44,10 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "roles": "role -> kind overrides, e.g. {'tensor': 'tp', 'data_parallel': 'dp_replicate,"
     "dp_shard'}: a dim, a flattened dim, dims to multiply or None (none)",
     "backend_override": "init_device_mesh's per-dim backend, e.g. {'tp': 'fake', 0: 'gloo'}",
+}
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "roles": "names the kind each role reads; no group depends on it",
 }
 
 #: ``DeviceMesh.get_local_rank()`` / ``get_group()`` with no ``mesh_dim``, on the root mesh.
@@ -325,12 +329,57 @@ def _add(kinds: dict[str, Kind], kind: Kind) -> None:
 
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
-    """Every (pp, dp, cp, tp) mesh of ``world_size`` with dp and cp flattened into ``dp_cp``."""
+    """Every (pp, dp, cp, tp) mesh of ``world_size`` with dp and cp flattened into ``dp_cp``;
+    then, over a few of those shapes (:func:`~meshsim.model.sweep.spread`), the other ways to
+    make the same dims: an explicit ``mesh`` tensor holding the ranks first dim fastest
+    (``DeviceMesh(mesh=...)``, nothing flattened), the dims unflattened from a 1-D world
+    (``_unflatten``), and the innermost dim of size > 1 on the ``fake`` backend
+    (``backend_override``); each only where the described torch release builds it. World 8
+    gives 29 configs.
+
+    ``mesh_dim_names=`` enumerates ``init_device_mesh`` meshes of those dims instead: every
+    shape, and the ``backend_override`` ones (no rank tensor, no unflattened view)."""
     names = tuple(options.get("mesh_dim_names", ("pp", "dp", "cp", "tp")))
+    other_ways = "mesh_dim_names" not in options
+    ops = ["flatten dp,cp -> dp_cp"] if {"dp", "cp"} <= set(names) else []
+    listed: list[dict[str, Any]] = []
     for shape in ordered_factorizations(world_size, len(names)):
         assert math.prod(shape) == world_size
-        ops = ["flatten dp,cp -> dp_cp"] if {"dp", "cp"} <= set(names) else []
-        yield {"mesh_shape": shape, "mesh_dim_names": names, "ops": ops}
+        listed.append({"mesh_shape": shape, "mesh_dim_names": names, "ops": ops})
+    yield from listed
+    picked = spread(listed, names, lambda c: dict(zip(names, c["mesh_shape"])))
+    candidates: list[dict[str, Any]] = []
+    for config in picked if other_ways else []:
+        # No flatten: torch's new_group sorts a group's ranks, and a flattened dim of this
+        # tensor is not ascending (the reference keeps the tensor's order; a known gap).
+        candidates.append({"mesh": _first_fastest(config["mesh_shape"]), "mesh_dim_names": names})
+    for config in picked if other_ways else []:
+        sizes = ",".join(map(str, config["mesh_shape"]))
+        unflatten = f"unflatten world {sizes} -> {','.join(names)}"
+        candidates.append({"mesh_shape": (world_size,), "ops": [unflatten, *ops]})
+    for config in picked:
+        inner = [n for n, size in zip(names, config["mesh_shape"]) if size > 1][-1:]
+        if inner:
+            candidates.append({**config, "backend_override": {inner[0]: "fake"}})
+    for config in candidates:
+        try:
+            expect(world_size, **config)
+        except LayoutError:
+            continue  # the described torch release lacks what it needs
+        yield config
+
+
+def _first_fastest(shape: Sequence[int]) -> list[Any]:
+    """The rank tensor of ``shape`` numbered first dim fastest, as nested lists: (2, 4) gives
+    ``[[0, 2, 4, 6], [1, 3, 5, 7]]``."""
+    strides = [math.prod(shape[:i]) for i in range(len(shape))]
+
+    def block(dim: int, base: int) -> Any:
+        if dim == len(shape):
+            return base
+        return [block(dim + 1, base + i * strides[dim]) for i in range(shape[dim])]
+
+    return block(0, 0)  # type: ignore[no-any-return]
 
 
 def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:

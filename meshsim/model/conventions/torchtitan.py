@@ -44,7 +44,7 @@ from meshsim.model.conventions._torchtitan_legacy import (
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.groups import Groups
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import divisors, ordered_factorizations, spread
 
 PARAMETERS: Final[Mapping[str, str]] = {
     "dp_replicate": "data_parallel_replicate_degree (default 1)",
@@ -58,6 +58,11 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "intermediate: 'partial_dtensor' (default) or 'full_dtensor'",
     "version": "'current' (default), 'intermediate', 'legacy' or 'hyper_parallel'",
     "ulysses_degree": "hyper_parallel only: Ulysses sub-degree of cp",
+}
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "ulysses_degree": "hyper_parallel only, where it is only checked against cp; no group "
+    "depends on it",
 }
 VERSIONS: Final = ("current", "intermediate", "legacy", "hyper_parallel")
 #: Versions whose ``build_mesh`` unflattens one world mesh into its views (torch >= 2.10).
@@ -400,12 +405,16 @@ def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
 
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     """Every valid config of each version: all factorizations of the world into
-    (pp, dp_replicate, dp_shard, cp, tp), each with every valid (ep, etp).
+    (pp, dp_replicate, dp_shard, cp, tp), each with every valid (ep, etp); then, per version,
+    the options that change its groups, each crossed with a few of those layouts
+    (:func:`~meshsim.model.sweep.spread`: every axis and pair of axes above 1 at least once):
+    every SPMD backend other than the default, and ``dp_shard=-1``, left for torchtitan to
+    infer (the code path ``ParallelDims`` takes when the degree is not given).
 
-    ``versions=`` restricts the versions; ``spmd_backends=`` picks the backends to sweep where a
-    version has them (each version's default otherwise, to keep sweeps small). hyper_parallel
-    rejects pp > 1 and makes ep a factor of the world, so it factorizes (dp_replicate, dp_shard,
-    ep, cp, tp). World 8 gives 340 configs.
+    ``versions=`` restricts the versions; ``spmd_backends=`` sweeps those backends over every
+    layout instead (and no other; ``dp_shard=-1`` under the first). hyper_parallel rejects
+    pp > 1 and makes ep a factor of the world, so it factorizes (dp_replicate, dp_shard, ep, cp,
+    tp). World 8 gives 368 configs.
 
     Only what the described torch release builds: before 2.10 (no ``_unflatten``) the default
     versions are legacy and hyper_parallel, and hyper_parallel without cp (its ``loss`` flattens
@@ -421,23 +430,36 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     for version in versions:
         allowed = _BACKENDS.get(version, (None,))
         backends = [b for b in allowed if b in wanted] or [allowed[0]]
-        if version == "hyper_parallel":
-            for dpr, dps, ep, cp, tp in ordered_factorizations(world_size, 5):
-                if old and cp == 1 and dpr * dps > 1:
-                    continue
-                for etp in (1, tp) if ep > 1 and tp > 1 else (1,):
-                    degrees = dict(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=1, ep=ep)
-                    yield {"version": version, **degrees, "etp": etp}
-            continue
-        for pp, dpr, dps, cp, tp in ordered_factorizations(world_size, 5):
-            base = dict(version=version, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp)
-            for ep in divisors(dps * cp * tp):
-                for etp in _valid_etps(version, dps, cp, tp, ep):
-                    for backend in backends:
-                        config = {**base, "ep": ep, **({"etp": etp} if etp else {})}
-                        if backend != allowed[0]:
-                            config["spmd_backend"] = backend
-                        yield config
+        layouts = list(_layouts(world_size, version, old))
+        for config in layouts:
+            for backend in backends:
+                yield config if backend == allowed[0] else {**config, "spmd_backend": backend}
+        picked = spread(layouts, _AXES)
+        for backend in allowed[1:] if not wanted else ():
+            yield from ({**config, "spmd_backend": backend} for config in picked)
+        chosen = {"spmd_backend": backends[0]} if backends[0] != allowed[0] else {}
+        yield from ({**config, "dp_shard": -1, **chosen} for config in picked)
+
+
+#: The degrees :func:`configs` spreads the option cases over.
+_AXES: Final = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+def _layouts(world_size: int, version: str, old: bool) -> Iterator[dict[str, Any]]:
+    """Every valid degree layout of one version, explicit, at its default backend."""
+    if version == "hyper_parallel":
+        for dpr, dps, ep, cp, tp in ordered_factorizations(world_size, 5):
+            if old and cp == 1 and dpr * dps > 1:
+                continue
+            for etp in (1, tp) if ep > 1 and tp > 1 else (1,):
+                degrees = dict(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=1, ep=ep)
+                yield {"version": version, **degrees, "etp": etp}
+        return
+    for pp, dpr, dps, cp, tp in ordered_factorizations(world_size, 5):
+        base = dict(version=version, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp)
+        for ep in divisors(dps * cp * tp):
+            for etp in _valid_etps(version, dps, cp, tp, ep):
+                yield {**base, "ep": ep, **({"etp": etp} if etp else {})}
 
 
 def _valid_etps(version: str, dp_shard: int, cp: int, tp: int, ep: int) -> tuple[int, ...]:

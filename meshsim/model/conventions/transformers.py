@@ -43,6 +43,13 @@ PARAMETERS: Final[Mapping[str, str]] = {
     "parallelism_config": "TrainingArguments.parallelism_config, as a dict of accelerate "
     "ParallelismConfig keys (None: the Trainer makes one only for a TP model)",
 }
+#: Config keys every sweep case leaves at their default, each with why (``sweep.fixed_options``).
+SWEEP_FIXED: Final[Mapping[str, str]] = {
+    "ep_plan": "only checked to be a dict or None, then read by the sharding code; no group "
+    "depends on it",
+    "fsdp_plan": "only checked to be a dict or None, then read by the sharding code; no group "
+    "depends on it",
+}
 
 DENSE_DIMS: Final = ("pp", "dp_replicate", "fsdp", "tp")
 EXPERT_DIMS: Final = ("pp", "dp_replicate", "efsdp", "ep")

@@ -33,6 +33,7 @@ data rank is the ``loss`` mesh's (``batch`` x ``cp``) while its data size is the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -42,7 +43,7 @@ from meshsim.model.conventions import reject_unknown
 from meshsim.model.expected import Expected, Kind, layout_kind
 from meshsim.model.groups import Groups
 from meshsim.model.layout import Layout
-from meshsim.model.sweep import divisors, ordered_factorizations
+from meshsim.model.sweep import divisors, ordered_factorizations, spread
 
 __all__ = ["PARAMETERS", "configs", "expect", "refused_configs"]
 
@@ -297,10 +298,11 @@ def _torchtitan(world_size: int, config: Mapping[str, Any]) -> Expected:
 def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
     """FSDP engine: both strategies x every fsdp_size that changes the mesh (default, each
     proper divisor; 1 is verl#7493) x every Ulysses degree; then the torchtitan engine over
-    every (dp_shard, cp, tp, pp) split with dp_shard x cp > 1, and HSDP halves of each
+    every (dp_shard, cp, tp, pp) split with dp_shard x cp > 1, HSDP halves of each, and over a
+    few of them dp_shard left to inference (-1) and an expert degree
     (``torchtitan=False`` drops those; so does a described torch release without
     ``_unflatten``, below 2.10, on which torchtitan 0.3.0's ParallelDims cannot build). World 8
-    gives 32 + 19."""
+    gives 32 + 25."""
     for strategy in ("fsdp", "fsdp2"):
         for fsdp_size in (-1, *divisors(world_size)[:-1]):
             for sp in divisors(world_size):
@@ -312,6 +314,7 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
                 yield cfg
     if not options.get("torchtitan", True) or not _torch_release.builds_unflatten():
         return
+    listed: list[dict[str, Any]] = []
     for shard, cp, tp, pp in ordered_factorizations(world_size, 4):
         if shard * cp == 1:
             continue
@@ -323,13 +326,35 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
         ):
             if value > 1:
                 base[key] = value
-        yield base
+        listed.append(base)
         if shard % 2 == 0 and cp == 1 and pp == 1:
-            yield {
-                **base,
-                "data_parallel_shard_size": shard // 2,
-                "data_parallel_replicate_size": 2,
-            }
+            listed.append(
+                {**base, "data_parallel_shard_size": shard // 2, "data_parallel_replicate_size": 2}
+            )
+    yield from listed
+    yield from _titan_options(listed)
+
+
+#: The torchtitan engine's degrees, as verl's config names them.
+_TITAN_AXES: Final = (
+    "data_parallel_replicate_size",
+    "data_parallel_shard_size",
+    "context_parallel_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+)
+
+
+def _titan_options(listed: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Over a few torchtitan-engine layouts (``spread``): ``data_parallel_shard_size=-1``, left
+    for torchtitan's ParallelDims to infer, and the smallest ``expert_parallel_size`` > 1 that
+    divides dp_shard x cp x tp."""
+    for config in spread(listed, _TITAN_AXES):
+        yield {**config, "data_parallel_shard_size": -1}
+    for config in spread(listed, _TITAN_AXES):
+        region = math.prod(config.get(k, 1) for k in _TITAN_AXES[1:4])
+        if region > 1:
+            yield {**config, "expert_parallel_size": divisors(region)[1]}
 
 
 def refused_configs(world_size: int) -> Iterator[dict[str, Any]]:
