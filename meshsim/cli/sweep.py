@@ -153,6 +153,7 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
     if not cases:
         raise UsageError(f"no valid layouts for world size {args.world_size}")
     question = _question(args, cases)
+    _say_what_varies(cases, args.world_size, render.console(stderr=True))
     tiers = [tier for tier, _ in plan(args, cases)]
     outcomes = [Outcome(case) for case in cases]
     started = time.perf_counter()
@@ -333,6 +334,20 @@ class _Progress:
 
 def _progress(console: Any, started: float) -> _Progress:
     return _Progress(console, started)
+
+
+def _say_what_varies(cases: Sequence[LayoutCase], world_size: int, out: Any) -> None:
+    """One line per framework on stderr: the options this sweep varies, and over what."""
+    from meshsim.model.sweep import describe_options, varied_options
+
+    by_framework: dict[str, list[LayoutCase]] = {}
+    for case in cases:
+        by_framework.setdefault(case.framework, []).append(case)
+    for framework, listed in by_framework.items():
+        varied = varied_options(framework, world_size, cases=listed)
+        if varied:
+            shown = "; ".join(describe_options(varied, most=4, width=28))
+            out.print(f"{framework} ({len(listed)} layouts) varies {shown}", markup=False)
 
 
 def real_cases(cases: Sequence[LayoutCase], out: Any) -> list[LayoutCase]:
