@@ -20,7 +20,7 @@ _TT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 def _distinct() -> list[tuple[str, dict[str, Any]]]:
     """Every world-8 layout; torchtitan's by degrees of the current version (its spmd_backend and
     older versions name the same meshes differently, the data flow is the same)."""
-    seen: set[tuple[str, tuple]] = set()
+    seen: set[tuple[str, str]] = set()
     out = []
     for case in layouts(8, ["olmo-core", "torchtitan"]):
         config = dict(case.config)
@@ -28,7 +28,7 @@ def _distinct() -> list[tuple[str, dict[str, Any]]]:
             if config.get("version", "current") != "current" or config.get("etp", 1) != 1:
                 continue
             config = {k: config[k] for k in _TT_KEYS if k in config}
-        key = (case.framework, tuple(sorted(config.items())))
+        key = (case.framework, repr(sorted(config.items())))
         if key not in seen:
             seen.add(key)
             out.append((case.framework, config))

@@ -58,7 +58,7 @@ def _id(case: tuple[str, dict[str, Any]]) -> str:
 def _distinct() -> list[tuple[str, dict[str, Any]]]:
     """Every world-8 layout of the recipes' frameworks, torchtitan's by degrees of its current
     version (older versions and spmd backends name the same meshes differently)."""
-    seen: set[tuple[str, tuple[tuple[str, Any], ...]]] = set()
+    seen: set[tuple[str, str]] = set()
     out = []
     for case in meshsim.layouts(8, list(FRAMEWORKS)):
         config = dict(case.config)
@@ -66,7 +66,7 @@ def _distinct() -> list[tuple[str, dict[str, Any]]]:
             if config.get("version", "current") != "current" or config.get("etp", 1) != 1:
                 continue
             config = {k: config[k] for k in _TT_KEYS if k in config}
-        key = (case.framework, tuple(sorted(config.items(), key=lambda kv: kv[0])))
+        key = (case.framework, repr(sorted(config.items(), key=lambda kv: kv[0])))
         if key not in seen:
             seen.add(key)
             out.append((case.framework, config))
