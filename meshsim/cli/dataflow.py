@@ -19,19 +19,18 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataflow", action="store_true", help=HELP)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse before any rank runs: the fake tier moves no data, other conventions lack a recipe."""
+def check_args(args: argparse.Namespace, flag: str = "--dataflow") -> None:
+    """Refuse before any rank runs: the fake tier moves no data, other conventions lack a recipe.
+    Shared by every flag that trains the recipe (``--dataflow``, ``--equivalence``)."""
     from meshsim.dataflow.meshes import FRAMEWORKS
 
     if args.backend == "fake":
         raise UsageError(
-            "--dataflow needs real collectives and the fake backend moves no data; use "
+            f"{flag} needs real collectives and the fake backend moves no data; use "
             "--backend threaded or --backend gloo"
         )
     if args.framework not in FRAMEWORKS:
-        raise UsageError(
-            f"--dataflow has a recipe for {', '.join(FRAMEWORKS)}, not {args.framework!r}"
-        )
+        raise UsageError(f"{flag} has a recipe for {', '.join(FRAMEWORKS)}, not {args.framework!r}")
 
 
 def run(args: argparse.Namespace, world: int, config: Mapping[str, Any]) -> Any:

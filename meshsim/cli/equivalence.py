@@ -6,8 +6,6 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from meshsim.errors import UsageError
-
 HELP = (
     "also train the data-flow recipe's tiny model on the N ranks and on one rank, from the "
     "same weights on the same global batch, and compare every gradient and parameter "
@@ -20,18 +18,10 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse before any rank runs, as ``--dataflow`` does."""
-    from meshsim.dataflow.meshes import FRAMEWORKS
+    """Refuse before any rank runs, as ``--dataflow`` does (the same recipe)."""
+    from meshsim.cli import dataflow
 
-    if args.backend == "fake":
-        raise UsageError(
-            "--equivalence needs real collectives and the fake backend moves no data; use "
-            "--backend threaded or --backend gloo"
-        )
-    if args.framework not in FRAMEWORKS:
-        raise UsageError(
-            f"--equivalence has a recipe for {', '.join(FRAMEWORKS)}, not {args.framework!r}"
-        )
+    dataflow.check_args(args, flag="--equivalence")
 
 
 def run(args: argparse.Namespace, world: int, config: Mapping[str, Any]) -> Any:

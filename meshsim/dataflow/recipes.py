@@ -101,30 +101,10 @@ def check_dataflow(
     ``data_error`` / ``gradient_error``. The fake tier cannot move data: ``UsageError``.
     """
     from meshsim.dataflow.data_check import assert_data_parallel
-    from meshsim.dataflow.meshes import FRAMEWORKS
     from meshsim.harness import run
     from meshsim.model.conventions import expect
 
-    if backend == "fake":
-        raise UsageError(
-            "the data-flow check needs real collectives: the fake backend moves no data, so "
-            "batches and gradients cannot be compared; use --backend threaded or gloo"
-        )
-    if framework not in FRAMEWORKS:
-        raise UsageError(
-            f"the data-flow recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}"
-        )
-    if wiring not in WIRINGS:
-        raise UsageError(f"unknown wiring {wiring!r}; one of {', '.join(WIRINGS)}")
-    if real:
-        from meshsim.builders.real import unavailable
-
-        reason = unavailable(framework)
-        if reason is not None:
-            raise UsageError(reason)
-    reason = unsupported(framework, config, backend, world_size=world_size)
-    if reason is not None:
-        raise UsageError(reason)
+    refuse(framework, world_size, backend, wiring, real, config, what="the data-flow check")
     expected = expect(framework, world_size, **config)
     start = time.perf_counter()
 
@@ -160,6 +140,43 @@ def check_dataflow(
     return result(
         data_error=data_error, gradient_error=gradient_error, not_compared=tuple(not_compared)
     )
+
+
+def refuse(
+    framework: str,
+    world_size: int,
+    backend: str,
+    wiring: str,
+    real: bool,
+    config: Mapping[str, Any],
+    *,
+    what: str,
+) -> None:
+    """``UsageError`` before any rank runs when ``what`` (a check that trains the recipe) cannot
+    run this layout: the fake tier, no recipe, an unknown wiring, a framework not installed,
+    a layout the recipe does not train."""
+    from meshsim.dataflow.meshes import FRAMEWORKS
+
+    if backend == "fake":
+        raise UsageError(
+            f"{what} needs real collectives: the fake backend moves no data; use "
+            "--backend threaded or gloo"
+        )
+    if framework not in FRAMEWORKS:
+        raise UsageError(
+            f"the training recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}"
+        )
+    if wiring not in WIRINGS:
+        raise UsageError(f"unknown wiring {wiring!r}; one of {', '.join(WIRINGS)}")
+    if real:
+        from meshsim.builders.real import unavailable
+
+        reason = unavailable(framework)
+        if reason is not None:
+            raise UsageError(reason)
+    reason = unsupported(framework, config, backend, world_size=world_size)
+    if reason is not None:
+        raise UsageError(reason)
 
 
 def unsupported(

@@ -57,31 +57,11 @@ def check_equivalence(
     **config: Any,
 ) -> RecipeEquivalence:
     """Train ``framework``'s recipe on ``world_size`` ranks and on one, and compare them."""
-    from meshsim.dataflow.meshes import FRAMEWORKS
-    from meshsim.dataflow.recipes import WIRINGS, unsupported
+    from meshsim.dataflow.recipes import refuse
     from meshsim.model.conventions import expect
     from meshsim.usage.serial import assert_matches_serial
 
-    if backend == "fake":
-        raise UsageError(
-            "the equivalence check needs real collectives: the fake backend moves no data; use "
-            "--backend threaded or gloo"
-        )
-    if framework not in FRAMEWORKS:
-        raise UsageError(
-            f"the training recipe exists for {', '.join(FRAMEWORKS)}, not {framework!r}"
-        )
-    if wiring not in WIRINGS:
-        raise UsageError(f"unknown wiring {wiring!r}; one of {', '.join(WIRINGS)}")
-    if real:
-        from meshsim.builders.real import unavailable
-
-        reason = unavailable(framework)
-        if reason is not None:
-            raise UsageError(reason)
-    reason = unsupported(framework, config, backend, world_size=world_size)
-    if reason is not None:
-        raise UsageError(reason)
+    refuse(framework, world_size, backend, wiring, real, config, what="the equivalence check")
     expected = expect(framework, world_size, **config)
     stages = _size(expected, "pipeline")
     data_size = _size(expected, "data_parallel")
