@@ -10,6 +10,7 @@ torch: ranks import it when they build.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -66,6 +67,9 @@ class VerifyResult:
     #: What the ranks printed while this case was built, where the caller captured it
     #: (``meshsim sweep`` does, and shows it only for a failing layout); "" otherwise.
     output: str = field(default="", repr=False, compare=False)
+    #: The ranks that built the groups on the fake tier when not every rank did (``ranks=``);
+    #: None when every rank built them.
+    ranks: tuple[int, ...] | None = None
 
     @property
     def tier_limits(self) -> tuple[str, ...]:
@@ -214,8 +218,10 @@ def verify(
     try:
         built = _run(build_on_rank, world_size, backend, timeout, ranks, args)
     except (RankFailure, RankTimeout) as error:
-        return _result(args, backend, seconds=time.perf_counter() - start, error=str(error))
-    return _judge(args, backend, reference, built)
+        result = _result(args, backend, seconds=time.perf_counter() - start, error=str(error))
+    else:
+        result = _judge(args, backend, reference, built)
+    return result if ranks is None else dataclasses.replace(result, ranks=tuple(ranks))
 
 
 def verify_case(case: LayoutCase, backend: str = "gloo", **options: Any) -> VerifyResult:
@@ -229,14 +235,18 @@ def verify_many(
     *,
     real: bool = False,
     timeout: float = 120.0,
+    ranks: Sequence[int] | None = None,
 ) -> Iterator[VerifyResult]:
     """:func:`verify` every case, in order, as results arrive.
 
     On the fake tier consecutive cases of one world size share a harness run (each rank builds
     up to ``FAKE_BATCH`` cases in turn), since starting a run costs more than building. Other
     tiers run one case per harness run, so a case that hangs or crashes stays its own failure
-    (the gloo tier's worker pool stays warm between runs).
+    (the gloo tier's worker pool stays warm between runs). ``ranks``: on the fake tier, only
+    these ranks build each case.
     """
+    if ranks is not None and backend != "fake":
+        raise UsageError(f"ranks= samples ranks on the fake tier only, not on {backend!r}")
     pending: list[LayoutCase] = []
     for case in cases:
         _check(case.framework, real)
@@ -244,26 +254,29 @@ def verify_many(
             yield verify_case(case, backend, real=real, timeout=timeout)
             continue
         if pending and (pending[0].world_size != case.world_size or len(pending) >= FAKE_BATCH):
-            yield from _fake_batch(pending, real, timeout)
+            yield from _fake_batch(pending, real, timeout, ranks)
             pending = []
         pending.append(case)
     if pending:
-        yield from _fake_batch(pending, real, timeout)
+        yield from _fake_batch(pending, real, timeout, ranks)
 
 
-def _fake_batch(cases: list[LayoutCase], real: bool, timeout: float) -> Iterator[VerifyResult]:
+def _fake_batch(
+    cases: list[LayoutCase], real: bool, timeout: float, ranks: Sequence[int] | None
+) -> Iterator[VerifyResult]:
     world = cases[0].world_size
     batch = [(c.framework, world, c.config, real) for c in cases]
     references = [_reference(c.framework, world, c.config) for c in cases]
     try:
-        per_rank = _run(_build_batch, world, "fake", timeout * len(cases), None, (batch,))
+        per_rank = _run(_build_batch, world, "fake", timeout * len(cases), ranks, (batch,))
     except (RankFailure, RankTimeout):
         # Something broke the shared run: redo each case alone so the failure names its case.
         for case in cases:
-            yield verify_case(case, "fake", real=real, timeout=timeout)
+            yield verify_case(case, "fake", real=real, timeout=timeout, ranks=ranks)
         return
     for index, (args, reference) in enumerate(zip(batch, references)):
-        yield _judge(args, "fake", reference, [built[index] for built in per_rank])
+        result = _judge(args, "fake", reference, [built[index] for built in per_rank])
+        yield result if ranks is None else dataclasses.replace(result, ranks=tuple(ranks))
 
 
 def _check(framework: str, real: bool) -> None:

@@ -104,7 +104,13 @@ def observe(named: dict[str, Entry]) -> Observation:
     views: dict[str, GroupView] = {}
     meshes = {n: e for n, e in named.items() if isinstance(e, DeviceMesh)}
     absent = [n for n in named if n not in meshes]
-    claims = {n: tuple(int(r) for r in m.mesh.flatten().tolist()) for n, m in meshes.items()}
+    # Many getters hand out the same DeviceMesh, and torch recomputes ``.mesh`` (its rank
+    # tensor) on every access: read each mesh's ranks and backends once.
+    read: dict[int, tuple[list[Any], tuple[str, ...]]] = {}
+    for entry in meshes.values():
+        if id(entry) not in read:
+            read[id(entry)] = (entry.mesh.tolist(), mesh_backends(entry))
+    claims = {n: tuple(_flat(read[id(m)][0])) for n, m in meshes.items()}
     disagree = disagreements(claims)  # claims compared first: inconsistent views never hang
     for name, entry in meshes.items():
         members = claims[name]
@@ -114,12 +120,19 @@ def observe(named: dict[str, Entry]) -> Observation:
             name=name,
             members=members,
             local_rank=members.index(rank) if rank in members else -1,
-            mesh=entry.mesh.tolist(),
+            mesh=read[id(entry)][0],
             gathered=gathered,
             disagreement=disagree.get(name),
-            backends=mesh_backends(entry),
+            backends=read[id(entry)][1],
         )
     return Observation(rank, world, backend, views, absent=tuple(absent))
+
+
+def _flat(nested: Any) -> list[int]:
+    """The ranks of a nested list (a mesh's ``tolist()``), in order."""
+    if isinstance(nested, list):
+        return [r for item in nested for r in _flat(item)]
+    return [int(nested)]
 
 
 def _proof(

@@ -139,6 +139,11 @@ class _Replica:
         self._global_meshes = views
         self._real = real
         self._backend = backend
+        # Each answer is a slice of a live view, the same whenever it is asked: kept, since
+        # ``meshsim.builders._torchtitan_api.entries`` asks ~200 questions per rank and every
+        # slice builds a DeviceMesh (most of the fake tier's time on torchtitan layouts).
+        self._sliced: dict[tuple[str, ...], DeviceMesh] = {}
+        self._spmd: list[DeviceMesh] | None = None
 
     def entries(self) -> dict[str, Entry]:
         """``get_mesh`` of each axis torchtitan registers (the intermediate version's kinds)."""
@@ -158,10 +163,15 @@ class _Replica:
             return None
         if len(names) == 1:
             return self._single_axis_meshes[names[0]]
-        for view in self._global_meshes.values():
-            if set(names) <= set(view.mesh_dim_names or ()):
-                return view[tuple(names)]
-        raise ValueError(f"Invalid mesh name combinations {names}.")
+        key = tuple(names)
+        if key not in self._sliced:
+            for view in self._global_meshes.values():
+                if set(names) <= set(view.mesh_dim_names or ()):
+                    self._sliced[key] = view[key]
+                    break
+            else:
+                raise ValueError(f"Invalid mesh name combinations {names}.")
+        return self._sliced[key]
 
     def get_mesh(self, dims: str | list[str]) -> DeviceMesh:
         found = self.get_optional_mesh(dims)
@@ -170,12 +180,14 @@ class _Replica:
         return found
 
     def spmd_meshes(self) -> list[DeviceMesh]:
-        out = []
-        for axes in (self._DENSE[self._backend], ("dp_replicate", "efsdp", "ep")):
-            active = [a for a in axes if self._real.get(a)]
-            if active:
-                out.append(self.get_mesh(active if len(active) > 1 else active[0]))
-        return out
+        if self._spmd is None:
+            out = []
+            for axes in (self._DENSE[self._backend], ("dp_replicate", "efsdp", "ep")):
+                active = [a for a in axes if self._real.get(a)]
+                if active:
+                    out.append(self.get_mesh(active if len(active) > 1 else active[0]))
+            self._spmd = out
+        return list(self._spmd)
 
     def spmd_dense_mesh(self) -> DeviceMesh:
         return self._global_meshes["spmd_dense_for_fwdbwd"]

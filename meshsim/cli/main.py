@@ -264,12 +264,16 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _tier(
         sweep,
         None,
-        f"default {sweeping.SWEEP_BACKEND!r} (gloo with --real): builds and checks every "
-        "group of every layout without communicating. threaded and gloo also prove each group "
-        "by an all-gather and cost several times more per layout; see --communicate",
+        f"default {sweeping.SWEEP_BACKEND!r} (gloo with --real; 'reference' above "
+        f"{sweeping.planning.LIVE_DEFAULT_MAX_WORLD} ranks): builds and checks every group "
+        "of every layout without communicating. threaded and gloo also prove each group by "
+        "an all-gather and cost several times more per layout; see --communicate. "
+        "'reference' builds nothing: every layout's groups, findings and node placement from "
+        "the reference alone (seconds at 1,024 ranks)",
         "build every layout with the installed framework's own code (default: every "
         "framework meshsim has an adapter for and finds installed); the way to put meshsim "
         "in a framework's CI",
+        choices=(*BACKENDS, "reference"),
     )
     sweep.add_argument(
         "--communicate",
@@ -278,6 +282,28 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         metavar="N",
         help="also run N evenly spaced layouts of each convention on threaded and gloo, "
         "proving their groups by real all-gathers, and fail when a tier disagrees (default 0)",
+    )
+    sweep.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="build every layout on every rank of the tier; by default a layout whose groups "
+        "(kind names aside) an earlier layout of its framework already builds is built on "
+        "three fake ranks and diffed against its own reference, and its groups are proven "
+        "live once, on the earlier layout",
+    )
+    sweep.add_argument(
+        "--sample",
+        type=_positive("--sample"),
+        metavar="N",
+        help="build only N evenly spaced distinct group structures of each framework live; "
+        "the reference still examines every layout (findings, placement)",
+    )
+    sweep.add_argument(
+        "--budget",
+        type=options.seconds("--budget", error=argparse.ArgumentTypeError),
+        metavar="S",
+        help="stop building live layouts after S seconds (the reference step runs first, in "
+        "full); the reports hold what was built, complete=false, and exit 0 when it all passed",
     )
     sweep.add_argument(
         "--cross-check",
@@ -405,10 +431,14 @@ def _json(parser: argparse.ArgumentParser, instead: str = "tables") -> None:
 
 
 def _tier(
-    parser: argparse.ArgumentParser, default: str | None, backend_help: str, real_help: str
+    parser: argparse.ArgumentParser,
+    default: str | None,
+    backend_help: str,
+    real_help: str,
+    choices: Sequence[str] = BACKENDS,
 ) -> None:
     """--backend and --real: which tier builds the groups, with the verb's own default."""
-    parser.add_argument("--backend", choices=BACKENDS, default=default, help=backend_help)
+    parser.add_argument("--backend", choices=choices, default=default, help=backend_help)
     parser.add_argument("--real", action="store_true", help=real_help)
 
 
@@ -467,6 +497,7 @@ _EXCLUSIVE = (
     ("kinds", "--kinds", "all_kinds", "--all-kinds", "the kinds shown"),
     ("cross_check", "--cross-check", "backend", "--backend", "the tiers a sweep runs"),
     ("cross_check", "--cross-check", "communicate", "--communicate", "the tiers a sweep runs"),
+    ("cross_check", "--cross-check", "sample", "--sample", "the layouts a sweep builds"),
 )
 
 
@@ -490,6 +521,8 @@ def _check_tier(args: argparse.Namespace) -> None:
     if args.verb not in ("verify", "sweep") or backend is None:
         return
     world = args.world_size
+    if backend == "reference":
+        return
     if world is not None and not (args.verb == "sweep" and args.cross_check):
         from meshsim.harness.api import _check_world_size
 

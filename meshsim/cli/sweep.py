@@ -17,9 +17,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from meshsim.cli import render
+from meshsim.cli import sweep_plan as planning
 from meshsim.cli import sweep_report as reports
 from meshsim.cli.placement import (
     Question,
@@ -28,7 +36,8 @@ from meshsim.cli.placement import (
     print_placement,
     validate_within,
 )
-from meshsim.cli.sweep_remote import Chunk
+from meshsim.cli.sweep_plan import Step
+from meshsim.cli.sweep_remote import REFERENCE, Chunk
 from meshsim.cli.sweep_report import Outcome, Report
 from meshsim.cli.sweep_workers import Workers
 from meshsim.errors import UsageError
@@ -44,7 +53,9 @@ SWEEP_BACKEND = "fake"
 #: Seconds between progress lines when stderr is not a terminal (a log file, CI).
 PROGRESS_EVERY = 5.0
 #: Tiers whose runs live in one process, so several cases can run side by side in workers.
-PARALLEL_TIERS = ("fake", "threaded")
+PARALLEL_TIERS = (REFERENCE, "fake", "threaded")
+#: Layouts per chunk of the reference step (no live rank: each takes about a millisecond).
+REFERENCE_CHUNK = 64
 
 
 def collect_cases(
@@ -60,40 +71,6 @@ def collect_cases(
         found = layouts(world, name)
         cases += found[:limit] if limit else found
     return cases
-
-
-def sample(cases: Sequence[LayoutCase], per_framework: int) -> list[int]:
-    """Indices of ``per_framework`` evenly spaced cases of each framework (first and last kept)."""
-    by_framework: dict[str, list[int]] = {}
-    for index, case in enumerate(cases):
-        by_framework.setdefault(case.framework, []).append(index)
-    chosen: list[int] = []
-    for indices in by_framework.values():
-        k = min(per_framework, len(indices))
-        if k == 1:
-            chosen.append(indices[0])
-        elif k > 1:
-            chosen += sorted({indices[round(i * (len(indices) - 1) / (k - 1))] for i in range(k)})
-    return chosen
-
-
-def plan(
-    args: argparse.Namespace, cases: Sequence[LayoutCase], kept: Sequence[int] | None = None
-) -> list[tuple[str, list[int]]]:
-    """(tier, case indices) in run order: the chosen tier on every case, then the samples.
-
-    ``kept``: the cases the first step kept (``--within-node`` leaves out the others, and the
-    later steps run on, and sample from, the kept ones only); default every case.
-    """
-    every = list(range(len(cases)))
-    kept = every if kept is None else list(kept)
-    if args.cross_check:
-        return [(TIERS[0], every)] + [(tier, kept) for tier in TIERS[1:]]
-    steps = [(args.backend, every)]
-    if args.communicate:
-        chosen = [kept[i] for i in sample([cases[i] for i in kept], args.communicate)]
-        steps += [(tier, chosen) for tier in ("threaded", "gloo") if tier != args.backend]
-    return steps
 
 
 class _StopRequest:
@@ -140,10 +117,9 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
         import meshsim.verify  # noqa: F401
     except ModuleNotFoundError as exc:
         raise UsageError(f"sweep needs meshsim.verify ({exc.name} is missing)") from None
-    if args.backend is None:
-        args.backend = "gloo" if args.real else SWEEP_BACKEND
     if args.frameworks:
         args.frameworks = list(dict.fromkeys(args.frameworks))  # --framework F twice: once
+    _default_backend(args)
     out = render.console(stderr=args.json == "-")
     if args.real:
         args.frameworks = real_frameworks(args.frameworks, out)
@@ -154,14 +130,14 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
         raise UsageError(f"no valid layouts for world size {args.world_size}")
     question = _question(args, cases)
     _say_what_varies(cases, args.world_size, render.console(stderr=True))
-    tiers = [tier for tier, _ in plan(args, cases)]
     outcomes = [Outcome(case) for case in cases]
     started = time.perf_counter()
     workers = Workers(args.jobs)
+    sweep = _Run(args, cases, outcomes, question, workers, stop, started)
     finished = False
     try:
         with _progress(render.console(stderr=True), started) as progress:
-            finished = _steps(args, cases, outcomes, question, workers, progress, stop)
+            finished = sweep.run(progress)
     finally:
         if finished:
             workers.close(stop.is_set)
@@ -169,7 +145,7 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
     elapsed = time.perf_counter() - started
     report = Report(
         args.world_size,
-        tiers,
+        sweep.tiers,
         [o for o in outcomes if o.results],
         len(cases),
         elapsed,
@@ -177,6 +153,16 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
         args.real,
         question,
         [o for o in outcomes if o.left_out],
+        structures=sweep.structures,
+        budget_spent=sweep.budget_spent,
+        unbuilt=[
+            o
+            for i, o in enumerate(outcomes)
+            if o.examined
+            and not o.results
+            and not o.left_out
+            and (i not in sweep.planned or sweep.budget_spent)
+        ],
     )
     _print(out, report)
     if args.json:
@@ -186,58 +172,171 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
     return report.exit_code
 
 
-def _steps(
-    args: argparse.Namespace,
-    cases: Sequence[LayoutCase],
-    outcomes: list[Outcome],
-    question: Question | None,
-    workers: Workers,
-    progress: _Progress,
-    stop: _StopRequest,
-) -> bool:
-    """Run the plan's steps, recording each answer in ``outcomes``; True when every step ran
-    to its end (False: stopped by a signal or ``--fail-fast``)."""
-    from meshsim.verify import FAKE_BATCH
+def _default_backend(args: argparse.Namespace) -> None:
+    """gloo for --real; else fake up to ``LIVE_DEFAULT_MAX_WORLD`` ranks, the reference
+    alone above (said on stderr, with how to run live ones)."""
+    if args.backend == REFERENCE:
+        live = [f for f, on in _LIVE_FLAGS.items() if getattr(args, on)]
+        if live or args.real:
+            flag = live[0] if live else "--real"
+            raise UsageError(
+                f"--backend reference builds no live layout, but {flag} asks for live builds; "
+                "use --backend fake (or threaded, gloo) with it"
+            )
+    if args.backend is not None:
+        return
+    if args.real:
+        args.backend = "gloo"
+    elif args.world_size > planning.LIVE_DEFAULT_MAX_WORLD and not args.cross_check:
+        from meshsim.model.conventions import validate_world_size
 
-    steps = plan(args, cases)
-    for number in range(len(steps)):
-        if number:  # the later steps run on what the first kept
-            kept = [i for i, o in enumerate(outcomes) if o.results]
-            steps = plan(args, cases, kept)
-        tier, indices = steps[number]
-        if stop.is_set():
+        validate_world_size(args.world_size)  # a refused size: its one line, not ours first
+        args.backend = REFERENCE
+        print(
+            f"meshsim sweep: world {args.world_size} is above "
+            f"{planning.LIVE_DEFAULT_MAX_WORLD} ranks: the reference examines every layout "
+            "(groups, findings, placement) without live ranks; --backend fake with "
+            "--sample N or --budget S also builds live ones",
+            file=sys.stderr,
+        )
+    else:
+        args.backend = SWEEP_BACKEND
+
+
+#: Flags that only mean something for live builds, by the argparse name they set.
+_LIVE_FLAGS = {
+    "--communicate": "communicate",
+    "--exhaustive": "exhaustive",
+    "--sample": "sample",
+    "--budget": "budget",
+    "--cross-check": "cross_check",
+}
+
+
+class _Run:
+    """One sweep's steps: the reference on every layout, then the live steps it plans."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        cases: Sequence[LayoutCase],
+        outcomes: list[Outcome],
+        question: Question | None,
+        workers: Workers,
+        stop: _StopRequest,
+        started: float,
+    ) -> None:
+        self.args, self.cases, self.outcomes = args, cases, outcomes
+        self.question, self.workers, self.stop = question, workers, stop
+        self.started = started
+        self.tiers: list[str] = [args.backend] if args.backend == REFERENCE else []
+        self.structures: int | None = None
+        self.budget_spent = False
+        self.deadline: float | None = None
+        #: Layouts some live step is to build (those outside are examined by the reference
+        #: only: --sample, --backend reference).
+        self.planned: set[int] = set()
+
+    def run(self, progress: _Progress) -> bool:
+        """True when every step ran to its end (False: a signal, ``--fail-fast`` or
+        ``--budget`` stopped it)."""
+        every = list(range(len(self.cases)))
+        if not self._step(Step(REFERENCE, every), progress, first=True):
             return False
-        progress.start(tier, len(indices))
-        parallel = tier in PARALLEL_TIERS
-        size = FAKE_BATCH if parallel else max(len(indices), 1)
-        parts = [indices[i : i + size] for i in range(0, len(indices), size)]
+        kept = [i for i in every if not self.outcomes[i].left_out]
+        fingerprints = [o.fingerprint for o in self.outcomes]
+        representatives, shares = planning.distinct(self.cases, fingerprints, kept)
+        self.structures = len(representatives)
+        if self.args.exhaustive or self.args.cross_check:
+            shares = {}
+        steps = planning.live_steps(self.args, self.cases, kept, shares)
+        self.planned = {i for step in steps for i in step.indices}
+        for step in steps:
+            for index in step.indices if step.ranks is not None else ():
+                self.outcomes[index].shares = self.outcomes[shares[index]]
+        self.tiers = list(dict.fromkeys(step.tier for step in steps)) or self.tiers
+        self._announce(len(kept), steps)
+        if self.args.budget is not None:
+            self.deadline = time.perf_counter() + self.args.budget
+        return all(self._step(step, progress) for step in steps)
+
+    def _announce(self, kept: int, steps: Sequence[Step]) -> None:
+        """Before the live steps: their size, and a rough estimate of their time."""
+        if not steps:
+            return
+        groups = [o.groups for o in self.outcomes]
+        seconds = planning.estimate(steps, self.args.world_size, groups, self.args.jobs)
+        plan = "; ".join(f"{step.label} {len(step.indices)}" for step in steps)
+        budget = f" (--budget {self.args.budget:g} s)" if self.args.budget is not None else ""
+        print(
+            f"meshsim sweep: {kept} layouts build {self.structures} distinct group "
+            f"structures; live: {plan} layouts; about {_duration(seconds)} estimated{budget}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _step(self, step: Step, progress: _Progress, first: bool = False) -> bool:
+        """Run one step, recording each answer in the outcomes; True when it ran to its end."""
+        from meshsim.verify import FAKE_BATCH
+
+        if self._stopping():
+            return False
+        progress.start(step.label, len(step.indices))
+        parallel = step.tier in PARALLEL_TIERS
+        size = (
+            REFERENCE_CHUNK if step.tier == REFERENCE
+            else FAKE_BATCH if parallel
+            else max(len(step.indices), 1)
+        )  # fmt: skip
+        parts = [step.indices[i : i + size] for i in range(0, len(step.indices), size)]
         chunks = [
             Chunk(
-                [cases[i] for i in part],
-                tier,
-                args.timeout,
-                args.real,
-                first=number == 0,
-                question=question,
+                [self.cases[i] for i in part],
+                step.tier,
+                self.args.timeout,
+                self.args.real,
+                first=first,
+                question=self.question,
+                ranks=step.ranks,
             )
             for part in parts
         ]
         failed = False
-        for chunk, offset, answer in workers.run(chunks, stop.is_set, parallel=parallel):
-            outcome = outcomes[parts[chunk][offset]]
-            if number == 0:
+        answers = self.workers.run(chunks, self._stopping, parallel=parallel, tick=progress.tick)
+        for chunk, offset, answer in answers:
+            outcome = self.outcomes[parts[chunk][offset]]
+            if first:
+                outcome.examined = True
                 outcome.findings, outcome.placed = answer.findings, answer.placed
-            if answer.result is not None:
-                outcome.results[tier] = answer.result
+                outcome.fingerprint, outcome.groups = answer.fingerprint, answer.groups
+                if self.args.backend == REFERENCE and answer.result is not None:
+                    outcome.results[REFERENCE] = answer.result
+            elif answer.result is not None:
+                outcome.results[step.tier] = answer.result
             passed = answer.result is None or outcome.passed
-            progress.advance(tier, passed)
-            if args.fail_fast and not passed:
+            progress.advance(step.label, passed)
+            if self.args.fail_fast and not passed:
                 failed = True
                 break
-        progress.finish(tier, "stopped" if stop.is_set() or failed else "done")
-        if stop.is_set() or failed:
-            return False
-    return True
+        stopped = self._stopping() or failed
+        note = "stopped (budget spent)" if self.budget_spent else "stopped"
+        progress.finish(step.label, note if stopped else "done")
+        return not stopped
+
+    def _stopping(self) -> bool:
+        if self.stop.is_set():
+            return True
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.budget_spent = True
+        return self.budget_spent
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _question(args: argparse.Namespace, cases: Sequence[LayoutCase]) -> Question | None:
@@ -274,7 +373,9 @@ def _print(out: Any, report: Report) -> None:
 
 
 class _Progress:
-    """Progress on stderr: a live bar on a terminal, else a plain line every few seconds."""
+    """Progress on stderr: a live bar on a terminal, else a plain line at least every
+    ``PROGRESS_EVERY`` seconds while a step runs (also while no answer arrives), with the time
+    left at the step's rate so far."""
 
     def __init__(self, console: Any, started: float) -> None:
         self.console = console
@@ -283,6 +384,8 @@ class _Progress:
         self.bar: Progress | None = None
         self.tasks: dict[str, Any] = {}
         self.counts: dict[str, list[int]] = {}
+        self.step_started: dict[str, float] = {}
+        self.current: str | None = None
         self.last = 0.0
 
     def __enter__(self) -> _Progress:
@@ -292,6 +395,7 @@ class _Progress:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
+                TimeRemainingColumn(),
             )
             self.bar = Progress(*columns, console=self.console)
             self.bar.__enter__()
@@ -303,6 +407,8 @@ class _Progress:
 
     def start(self, tier: str, total: int) -> None:
         self.counts[tier] = [0, 0, total]
+        self.step_started[tier] = time.monotonic()
+        self.current = tier
         if self.bar is not None:
             self.tasks[tier] = self.bar.add_task(f"{tier:>8}", total=total)
         else:
@@ -314,19 +420,30 @@ class _Progress:
         count[1] += not passed
         if self.bar is not None:
             self.bar.advance(self.tasks[tier])
-        elif time.monotonic() - self.last >= PROGRESS_EVERY:
-            self._line(tier, "")
+        else:
+            self.tick()
+
+    def tick(self) -> None:
+        """A line when ``PROGRESS_EVERY`` seconds passed since the last (off a terminal)."""
+        due = time.monotonic() - self.last >= PROGRESS_EVERY
+        if self.bar is None and self.current is not None and due:
+            self._line(self.current, "")
 
     def finish(self, tier: str, note: str = "done") -> None:
+        self.current = None
         if self.bar is None:
             self._line(tier, note)
 
     def _line(self, tier: str, note: str) -> None:
         done, failed, total = self.counts[tier]
         self.last = time.monotonic()
+        left = ""
+        if not note and 0 < done < total:
+            rate = (self.last - self.step_started[tier]) / done
+            left = f", about {_duration(rate * (total - done))} left"
         print(
             f"meshsim sweep: {tier} {done}/{total} layouts, {failed} failed, "
-            f"{time.perf_counter() - self.started:.0f} s{' ' + note if note else ''}",
+            f"{time.perf_counter() - self.started:.0f} s{left}{' ' + note if note else ''}",
             file=sys.stderr,
             flush=True,
         )

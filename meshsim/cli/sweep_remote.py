@@ -28,10 +28,15 @@ from meshsim.model.sweep import LayoutCase
 ORPHAN_POLL_S = 0.5
 
 
+#: The tier that builds no live rank: the reference's groups, findings and placement only.
+REFERENCE = "reference"
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Layouts one worker verifies on one tier. ``first``: the sweep's first step, which also
-    answers what only depends on the reference (its findings, its node placement)."""
+    answers what only depends on the reference (its findings, its node placement, its group
+    fingerprint). ``ranks``: on the fake tier, only these ranks build (None: every rank)."""
 
     cases: list[LayoutCase]
     tier: str
@@ -39,22 +44,49 @@ class Chunk:
     real: bool = False
     first: bool = True
     question: Question | None = None
+    ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Examined:
-    """One layout's answer from a worker: its VerifyResult (None: left out by
-    ``--within-node``, never built), and on the first step its findings and placement."""
+    """One layout's answer from a worker: its result (None: left out by ``--within-node``,
+    never built), and on the first step its findings, placement and group fingerprint."""
 
     result: Any
     findings: list[dict[str, str]] | None = None
     placed: Placed | None = None
+    fingerprint: str | None = None
+    #: Process groups the framework makes for it (every kind's groups, summed): what a live
+    #: build costs grows with it. 0 when the reference refuses the layout.
+    groups: int = 0
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """A layout examined by the reference alone (``sweep --backend reference``): its groups,
+    roles, findings and placement are known; nothing was built, so nothing can fail here."""
+
+    framework: str
+    world_size: int
+    config: dict[str, Any]
+    seconds: float
+    kinds_checked: tuple[str, ...]
+    rejected: str | None = None
+    backend: str = REFERENCE
+    real: bool = False
+    passed: bool = True
+    diff: None = None
+    error: None = None
+    observations: None = None
 
 
 def examine(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
     """(index in the chunk, answer) as each layout is done. The reference facts of a layout
     are worked out when the verifier takes it, so the first answers come at once even for a
     long chunk; a layout ``--within-node`` leaves out is answered without being built."""
+    if chunk.tier == REFERENCE:
+        yield from _examine_reference(chunk)
+        return
     from meshsim.verify import FAKE_BATCH, verify_many
 
     facts: dict[int, tuple[list[dict[str, str]] | None, Placed | None]] = {}
@@ -73,7 +105,9 @@ def examine(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
             order.append(index)
             yield case
 
-    found = verify_many(kept(), chunk.tier, timeout=chunk.timeout, real=chunk.real)
+    found = verify_many(
+        kept(), chunk.tier, timeout=chunk.timeout, real=chunk.real, ranks=chunk.ranks
+    )
     batch = FAKE_BATCH if chunk.tier == "fake" else 0
     for position, result in enumerate(captured(found, batch)):
         yield from _drain(left_out)
@@ -82,20 +116,54 @@ def examine(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
     yield from _drain(left_out)
 
 
+def _examine_reference(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
+    """The reference step: each layout's findings, placement and group fingerprint, without a
+    live rank (torch is never imported here)."""
+    from meshsim.model.fingerprint import group_fingerprint
+
+    for index, case in enumerate(chunk.cases):
+        start = time.perf_counter()
+        try:
+            expected = case.expect()
+        except LayoutError as error:
+            placed = None if chunk.question is None else place(None, chunk.question)
+            result = ReferenceResult(
+                case.framework, case.world_size, dict(case.config), 0.0, (), str(error)
+            )
+            yield index, Examined(result, [], placed)
+            continue
+        findings, placed = _reference_facts(case, chunk.question, expected)
+        fingerprint = group_fingerprint(expected)
+        groups = _group_count(expected)
+        kinds = tuple(k for k in expected.kinds() if k not in expected.derived_kinds())
+        seconds = time.perf_counter() - start
+        result = ReferenceResult(case.framework, case.world_size, dict(case.config), seconds, kinds)
+        yield index, Examined(result, findings, placed, fingerprint, groups)
+
+
+def _group_count(expected: Any) -> int:
+    total = 0
+    for name in expected.kinds():
+        kind = expected.kind(name)
+        if kind.available and not kind.derived:
+            total += len(kind.groups())
+    return total
+
+
 def _drain(answers: list[tuple[int, Examined]]) -> Iterator[tuple[int, Examined]]:
     while answers:
         yield answers.pop(0)
 
 
 def _reference_facts(
-    case: LayoutCase, question: Question | None
+    case: LayoutCase, question: Question | None, expected: Any = None
 ) -> tuple[list[dict[str, str]], Placed | None]:
     """The invariants the reference layout breaks, and its node placement when asked. A
     layout the reference refuses (another torch release's) has neither finding nor group."""
     from meshsim.cli.commands import findings_json
 
     try:
-        expected = case.expect()
+        expected = expected if expected is not None else case.expect()
     except LayoutError:
         return [], None if question is None else place(None, question)
     placed = None if question is None else place(expected, question)

@@ -34,6 +34,16 @@ class Outcome:
     findings: list[dict[str, str]] | None = None
     #: Where its groups sit on nodes (``--gpus-per-node``); None when not asked.
     placed: Placed | None = None
+    #: The reference step answered for it (findings, placement, fingerprint are known).
+    examined: bool = False
+    #: Its groups' digest, kind names aside (``meshsim.model.fingerprint``); None until the
+    #: reference step answers, or when the reference refuses the layout.
+    fingerprint: str | None = None
+    #: Process groups its framework creates (the size of a live build).
+    groups: int = 0
+    #: The layout that builds the same groups and proves them live, where this one is built on
+    #: a few fake ranks only (``meshsim.cli.sweep_plan``); None when it is proven itself.
+    shares: Outcome | None = None
 
     @property
     def left_out(self) -> bool:
@@ -46,7 +56,9 @@ class Outcome:
 
     @property
     def agree(self) -> bool:
-        return len({_signature(r) for r in self.results.values()}) <= 1
+        """Every tier that built it observed the same groups (on every rank it built)."""
+        built = [r for r in self.results.values() if r.backend != "reference"]
+        return len({_signature(r) for r in built}) <= 1
 
     @property
     def seconds(self) -> float:
@@ -104,11 +116,24 @@ class Report:
     real: bool = False  # built by the frameworks' own code (--real), not meshsim's builders
     question: Question | None = None  # --gpus-per-node / --within-node
     left_out: list[Outcome] = field(default_factory=list)  # by --within-node, not built
+    #: Distinct group structures among the layouts the reference examined (None: the
+    #: reference step did not finish).
+    structures: int | None = None
+    #: ``--budget`` ran out before every live step had run.
+    budget_spent: bool = False
+    #: Layouts the reference examined but no live step built (``--sample``, ``--budget``).
+    unbuilt: list[Outcome] = field(default_factory=list)
 
     @property
     def done(self) -> int:
-        """Layouts examined: verified, or left out by ``--within-node``."""
-        return len(self.outcomes) + len(self.left_out)
+        """Layouts examined: verified, or left out by ``--within-node``, or (``--sample``,
+        ``--budget``) examined by the reference only."""
+        return len(self.outcomes) + len(self.left_out) + len(self.unbuilt)
+
+    @property
+    def shared(self) -> list[Outcome]:
+        """The layouts built on a few fake ranks because another proves their groups."""
+        return [o for o in self.outcomes if o.shares is not None]
 
     @property
     def exit_code(self) -> int:
@@ -134,11 +159,12 @@ def tier_rows(report: Report) -> list[dict[str, Any]]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for o in report.outcomes:
         for tier, result in o.results.items():
+            label = tier_label(tier, result)
             row = rows.setdefault(
-                (o.case.framework, tier),
+                (o.case.framework, label),
                 {
                     "framework": o.case.framework,
-                    "tier": tier,
+                    "tier": label,
                     "layouts": 0,
                     "passed": 0,
                     "failed": 0,
@@ -151,7 +177,18 @@ def tier_rows(report: Report) -> list[dict[str, Any]]:
             row["groups_proven"] += proven_groups(result)
             row["build_seconds"] += result.seconds
     order = {t: i for i, t in enumerate(report.tiers)}
-    return sorted(rows.values(), key=lambda r: (r["framework"], order.get(r["tier"], 99)))
+
+    def rank(row: dict[str, Any]) -> tuple[str, int, str]:
+        tier = row["tier"].split(" ")[0]
+        return row["framework"], order.get(tier, 99), row["tier"]
+
+    return sorted(rows.values(), key=rank)
+
+
+def tier_label(tier: str, result: Any) -> str:
+    """``fake``, or ``fake on ranks 0,4,7`` for a layout built on a few ranks only."""
+    ranks = getattr(result, "ranks", None)
+    return tier if ranks is None else f"{tier} on ranks {','.join(map(str, ranks))}"
 
 
 def summary_table(out: Any, report: Report) -> None:
@@ -177,7 +214,8 @@ def summary_table(out: Any, report: Report) -> None:
     rows = tier_rows(report)
     previous = None
     for row in rows:
-        proven = row["groups_proven"] if row["tier"] in COMMUNICATING else "– (no comm.)"
+        communicates = row["tier"].split(" ")[0] in COMMUNICATING
+        proven = row["groups_proven"] if communicates else "– (no comm.)"
         table.add_row(
             row["framework"] if row["framework"] != previous else "",
             row["tier"],
@@ -201,6 +239,21 @@ def summary_table(out: Any, report: Report) -> None:
         f"{sum(r['build_seconds'] for r in rows):.1f}",
     )
     out.print(table)
+    shared = report.shared
+    if shared:
+        first = next(iter(shared[0].results.values()))
+        out.print(
+            f"{report.structures} distinct group structures: each was built on every rank; "
+            f"the {len(shared)} layouts that repeat one were built {tier_label('fake', first)} "
+            "and diffed against their own reference, their groups proven on the first "
+            "(--exhaustive builds every layout on every rank)"
+        )
+    if report.unbuilt:
+        why = "--budget ran out" if report.budget_spent else "--sample"
+        out.print(
+            f"{len(report.unbuilt)} layouts were examined by the reference only ({why}): "
+            "groups, findings and placement, no live build"
+        )
     compared = sum(len(o.results) > 1 for o in report.outcomes)
     out.print(
         "[dim]fake builds every group and compares it with the reference, without "
@@ -261,7 +314,12 @@ def report_json(report: Report) -> dict[str, Any]:
         "tiers": report.tiers,
         "real": report.real,
         "seconds": report.elapsed,
-        "complete": report.interrupted is None and report.done == report.total,
+        "complete": report.interrupted is None
+        and report.done == report.total
+        and not report.budget_spent,
+        "budget_spent": report.budget_spent,
+        "distinct_group_structures": report.structures,
+        "layouts_built": len(report.outcomes),
         "interrupted": report.interrupted,
         "layouts_total": report.total,
         "layouts_done": report.done,
@@ -270,21 +328,31 @@ def report_json(report: Report) -> dict[str, Any]:
         "exit_code": report.exit_code,
         "summary": tier_rows(report),
         "placement": placement_json(report),
-        "results": [
-            {
-                "id": o.case.id,
-                "framework": o.case.framework,
-                "config": o.case.config,
-                "passed": o.passed,
-                "agree": o.agree,
-                "findings": findings_of(o),
-                "crosses_nodes": None if o.placed is None else list(o.placed.crossing),
-                "roles_crossing_nodes": None if o.placed is None else list(o.placed.roles),
-                "tiers": {tier: result_json(r) for tier, r in o.results.items()},
-            }
-            for o in report.outcomes
-        ],
+        "results": [_outcome_json(o, True) for o in report.outcomes]
+        + [_outcome_json(o, False) for o in report.unbuilt],
     }
+
+
+def _outcome_json(o: Outcome, built: bool) -> dict[str, Any]:
+    return {
+        "id": o.case.id,
+        "framework": o.case.framework,
+        "config": o.case.config,
+        "built": built,
+        "passed": o.passed,
+        "agree": o.agree,
+        "fingerprint": o.fingerprint,
+        "shares_groups_with": None if o.shares is None else o.shares.case.id,
+        "findings": findings_of(o),
+        "crosses_nodes": None if o.placed is None else list(o.placed.crossing),
+        "roles_crossing_nodes": None if o.placed is None else list(o.placed.roles),
+        "tiers": {tier: {**result_json(r), "ranks": _ranks(r)} for tier, r in o.results.items()},
+    }
+
+
+def _ranks(result: Any) -> list[int] | None:
+    ranks = getattr(result, "ranks", None)
+    return None if ranks is None else list(ranks)
 
 
 def write_json(path: str, report: Report) -> None:

@@ -100,14 +100,20 @@ class Workers:
         self.started: list[_Worker] = []
 
     def run(
-        self, chunks: Sequence[Chunk], stop: Callable[[], bool], *, parallel: bool
+        self,
+        chunks: Sequence[Chunk],
+        stop: Callable[[], bool],
+        *,
+        parallel: bool,
+        tick: Callable[[], None] | None = None,
     ) -> Iterator[tuple[int, int, Examined]]:
         """(chunk index, index in the chunk, answer) as answers arrive, until every chunk is
         done or ``stop()`` holds; then the answers already received, and no more.
 
         ``parallel``: chunks go to up to ``jobs`` workers at once (the fake and threaded
         tiers, which run in one process), else all to one worker (a gloo or nccl world
-        takes the machine's ranks).
+        takes the machine's ranks). ``tick`` is called at least every ``POLL_S`` while
+        answers are awaited (the sweep's progress lines).
         """
         wanted = min(self.jobs if parallel else 1, len(chunks))
         while len(self.started) < wanted:
@@ -126,6 +132,8 @@ class Workers:
                 number, chunk = waiting.popleft()
                 worker.send("chunk", number, chunk)
                 busy[worker.conn] = worker
+            if tick is not None:
+                tick()
             for worker in self._ready(busy, POLL_S):
                 message = worker.recv()
                 if message[0] == "case":

@@ -8,41 +8,89 @@ import json
 
 import pytest
 
-from meshsim.cli.sweep import plan, sample
+from meshsim.cli.sweep_plan import Step, distinct, live_steps, spaced
+from meshsim.model.fingerprint import group_fingerprint
 from meshsim.model.sweep import layouts
 from tests.cli.helpers import run_cli
 
 
 def _sweep_args(**overrides: object) -> argparse.Namespace:
-    values: dict[str, object] = {"cross_check": False, "backend": "fake", "communicate": 0}
+    values: dict[str, object] = {
+        "cross_check": False,
+        "backend": "fake",
+        "communicate": 0,
+        "sample": None,
+        "real": False,
+    }
     values.update(overrides)
     return argparse.Namespace(**values)
 
 
 def test_communicate_sample_is_evenly_spaced_per_convention() -> None:
     cases = layouts(8, "torch") + layouts(8, "deepspeed")
-    chosen = sample(cases, 3)
+    every = list(range(len(cases)))
+    chosen = spaced(cases, every, 3)
     torch_n = len(layouts(8, "torch"))
     assert chosen == [0, round((torch_n - 1) / 2), torch_n - 1, *chosen[3:]]
     assert len(chosen) == 6 and {cases[i].framework for i in chosen} == {"torch", "deepspeed"}
-    assert sample(cases, 1) == [0, torch_n]
-    steps = plan(_sweep_args(communicate=3), cases)
-    assert [(tier, len(ix)) for tier, ix in steps] == [
+    assert spaced(cases, every, 1) == [0, torch_n]
+    steps = live_steps(_sweep_args(communicate=3), cases, every, {})
+    assert [(step.tier, len(step.indices)) for step in steps] == [
         ("fake", len(cases)),
         ("threaded", 6),
         ("gloo", 6),
     ]
-    assert plan(_sweep_args(), cases) == [("fake", list(range(len(cases))))]
+    assert live_steps(_sweep_args(), cases, every, {}) == [Step("fake", every)]
 
 
-def test_later_steps_run_on_and_sample_from_the_layouts_the_first_step_kept() -> None:
-    """--within-node leaves layouts out in the first step; the samples come from the rest."""
+def test_later_steps_run_on_and_sample_from_the_layouts_the_reference_kept() -> None:
+    """--within-node leaves layouts out in the reference step; the live steps build the
+    rest, and the samples come from them."""
     cases = layouts(8, "torch")
-    every, kept = list(range(len(cases))), [1, 3, 5, 7]
-    steps = plan(_sweep_args(communicate=2), cases, kept)
-    assert steps == [("fake", every), ("threaded", [1, 7]), ("gloo", [1, 7])]
-    crossed = plan(_sweep_args(cross_check=True, backend=None), cases, kept)
-    assert crossed == [("fake", every), ("threaded", kept), ("gloo", kept)]
+    kept = [1, 3, 5, 7]
+    steps = live_steps(_sweep_args(communicate=2), cases, kept, {})
+    assert steps == [Step("fake", kept), Step("threaded", [1, 7]), Step("gloo", [1, 7])]
+    crossed = live_steps(_sweep_args(cross_check=True, backend=None), cases, kept, {})
+    assert crossed == [Step("fake", kept), Step("threaded", kept), Step("gloo", kept)]
+
+
+def test_layouts_that_build_the_same_groups_share_one_live_proof() -> None:
+    """Each distinct group structure is built on every rank once; a layout that repeats one
+    is built on three fake ranks (its own code path, its own reference), and the
+    communicating samples come from the distinct ones only."""
+    cases = layouts(8, "megatron")
+    every = list(range(len(cases)))
+    fingerprints = [group_fingerprint(c.expect()) for c in cases]
+    representatives, shares = distinct(cases, fingerprints, every)
+    assert len(representatives) + len(shares) == len(cases)
+    assert len(representatives) == len(set(fingerprints)) < len(cases) / 1.5
+    for member, first in shares.items():
+        assert first < member and fingerprints[first] == fingerprints[member]
+    # Configs that differ only in where degree-1 dims sit in the order build the same groups.
+    plain = next(i for i, c in enumerate(cases) if c.config.get("tensor_model_parallel_size") == 8)
+    assert any(shares.get(i) == plain for i in every)
+    steps = live_steps(_sweep_args(communicate=2), cases, every, shares)
+    assert steps[0] == Step("fake", representatives)
+    assert steps[1] == Step("fake", sorted(shares), (0, 4, 7))
+    assert steps[1].label == "fake on ranks 0,4,7"
+    assert set(steps[2].indices) <= set(representatives) and steps[2].tier == "threaded"
+    # --sample builds N distinct structures a framework, and no repeat.
+    sampled = live_steps(_sweep_args(sample=5), cases, every, shares)
+    assert [s.tier for s in sampled] == ["fake"] and len(sampled[0].indices) == 5
+    assert set(sampled[0].indices) <= set(representatives)
+
+
+def test_megatrons_own_code_is_never_put_on_the_fake_tier() -> None:
+    """--real megatron makes gloo groups the fake backend cannot make: its layouts that
+    repeat a structure are built in full on the asked tier instead."""
+    cases = layouts(8, "megatron")
+    every = list(range(len(cases)))
+    fingerprints = [group_fingerprint(c.expect()) for c in cases]
+    _, shares = distinct(cases, fingerprints, every)
+    steps = live_steps(_sweep_args(backend="gloo", real=True), cases, every, shares)
+    gloo_off = {i for i in shares if cases[i].config.get("create_gloo_process_groups") is False}
+    assert steps[0].tier == "gloo" and len(steps[0].indices) == len(cases) - len(gloo_off)
+    assert all(step.tier == "gloo" or set(step.indices) <= gloo_off for step in steps)
 
 
 def test_sweep_json_on_stdout_with_per_tier_summary_and_progress_lines() -> None:

@@ -218,7 +218,9 @@ def test_sweep_fails_when_tiers_disagree(
         def __init__(self, jobs: int) -> None:
             pass
 
-        def run(self, chunks: Any, stop: Any, *, parallel: bool) -> Iterator[tuple[int, int, Any]]:
+        def run(
+            self, chunks: Any, stop: Any, *, parallel: bool, tick: Any = None
+        ) -> Iterator[tuple[int, int, Any]]:
             for c, chunk in enumerate(chunks):
                 for i, case in enumerate(chunk.cases):
                     broken = chunk.tier == "threaded" and case == cases[1]

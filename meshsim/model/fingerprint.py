@@ -1,0 +1,55 @@
+"""A layout's groups, kind names aside, as one short digest: the key a sweep uses to prove each
+distinct group structure once.
+
+Many configs of a world build the very same groups under other names or other spellings:
+megatron's ``order`` strings that differ only in where degree-1 dims sit, ``tp=2`` and
+``cp=2`` meshes whose only non-trivial groups are the same pairs, a ``hyper_comm_grid`` that
+restates a default. Proving by all-gather that groups of those ranks communicate is the same
+work for each of them, so a sweep proves it once per fingerprint (``meshsim.cli.sweep``).
+What differs between such configs, the framework's code path, is still run for every one of
+them, on a few ranks of the fake tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from meshsim.model.expected import Expected, Kind
+
+
+def group_fingerprint(expected: Expected) -> str:
+    """A digest of every kind's families of groups (rows in canonical order, with the
+    backends, the sub-mesh shape and whether the family covers the world), as a set: kind
+    names are left out, and so are derived kinds (no process group has them) and kinds the
+    framework refuses.
+
+    Two layouts with the same fingerprint build the same families of process groups; one may
+    call a family ``tp`` where the other calls it ``cp``.
+    """
+    parts: list[bytes] = []
+    for name in expected.kinds():
+        kind = expected.kind(name)
+        if kind.derived or not kind.available:
+            continue
+        rows = kind.groups().canonical()
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(
+            repr((rows.shape, kind.partition, kind.keyed_by_first, *_dims(kind))).encode()
+        )
+        digest.update(rows.astype("<i8", copy=False).tobytes())
+        parts.append(digest.digest())
+    total = hashlib.blake2b(digest_size=12)
+    total.update(str(expected.world_size).encode())
+    for part in sorted(set(parts)):
+        total.update(part)
+    return total.hexdigest()
+
+
+def _dims(kind: Kind) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+    """The kind's sub-mesh shape and per-dim backends without its size-1 dims: a ``(2, 1)``
+    mesh makes the same process groups as a ``(2,)`` one, plus groups of one rank."""
+    shape, backends = kind.mesh_shape, kind.backends
+    if not shape or len(backends) not in (0, len(shape)):
+        return shape, backends
+    kept = [i for i, size in enumerate(shape) if size != 1]
+    return tuple(shape[i] for i in kept), tuple(backends[i] for i in kept) if backends else ()
