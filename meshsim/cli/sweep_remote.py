@@ -135,7 +135,8 @@ def _examine_reference(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
         findings, placed = _reference_facts(case, chunk.question, expected)
         fingerprint = group_fingerprint(expected)
         groups = _group_count(expected)
-        kinds = tuple(k for k in expected.kinds() if k not in expected.derived_kinds())
+        derived = expected.derived_kinds()
+        kinds = tuple(k for k in expected.kinds() if k not in derived)
         seconds = time.perf_counter() - start
         result = ReferenceResult(case.framework, case.world_size, dict(case.config), seconds, kinds)
         yield index, Examined(result, findings, placed, fingerprint, groups)

@@ -152,15 +152,22 @@ class Groups:
         """Rows sorted lexicographically: the form two equal families share."""
         if len(self) == 0:
             return self._rows
-        order = np.lexsort(self._rows.T[::-1])
+        firsts = self._rows[:, 0]
+        order = np.argsort(firsts, kind="stable")
+        if len(self) > 1 and (firsts[order][1:] == firsts[order][:-1]).any():
+            order = np.lexsort(self._rows.T[::-1])  # rows sharing a first rank: full order
         return self._rows[order]
 
     def is_partition_of(self, world_size: int) -> bool:
         """True when every rank ``0..world_size-1`` sits in exactly one group."""
-        return bool(
-            self._rows.size == world_size
-            and np.array_equal(self.ranks(), np.arange(world_size, dtype=np.int64))
-        )
+        if self._rows.size != world_size:
+            return False
+        if world_size == 0:
+            return True
+        flat = self._rows.ravel()
+        if flat.min() < 0 or flat.max() >= world_size:
+            return False
+        return bool((np.bincount(flat, minlength=world_size) == 1).all())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Groups):
