@@ -104,10 +104,11 @@ def all_groups(root: DeviceMesh, dims: Sequence[str]) -> list[list[int]]:
     names = list(root.mesh_dim_names or ())
     spanned = [names.index(d) for d in sorted(dims, key=names.index)]
     others = [i for i in range(len(names)) if i not in spanned]
-    tensor = root.mesh.permute(*others, *spanned)
+    full = root.mesh  # torch recomputes it on every access: read once
+    tensor = full.permute(*others, *spanned)
     size = 1
     for i in spanned:
-        size *= int(root.mesh.shape[i])
+        size *= int(full.shape[i])
     return [[int(r) for r in row] for row in tensor.reshape(-1, size).tolist()]
 
 
@@ -143,9 +144,13 @@ def collect(entries: Mapping[str, Entry]) -> Observation:
     # The members of an n-D sub-mesh check each other's claims as process groups' do (inside
     # observe_groups): a group they disagree on is reported, not proven, as a collective over
     # it would never complete. Every rank makes both checks, so the store rounds pair up.
-    claims = {n: tuple(int(r) for r in m.mesh.flatten().tolist()) for n, m in meshes.items()}
+    # torch recomputes a mesh's rank tensor on every ``.mesh``: read each once.
+    tensors = {n: m.mesh.tolist() for n, m in meshes.items()}
+    claims = {n: tuple(_flat(tensors[n])) for n in meshes}
     disagree = disagreements(claims) if prove else {}
-    views = {n: _mesh_view(n, m, rank, prove, disagree.get(n)) for n, m in meshes.items()}
+    views = {
+        n: _mesh_view(n, m, tensors[n], rank, prove, disagree.get(n)) for n, m in meshes.items()
+    }
     others = {n: _group_of(e) for n, e in entries.items() if n not in meshes}
     views.update(observe_groups(others, prove=prove).groups)
     ordered = {name: views[name] for name in entries if name in views}  # the builder's order
@@ -161,17 +166,29 @@ def _group_of(entry: Entry) -> Any:
     return entry.get_group() if isinstance(entry, DeviceMesh) else entry
 
 
+def _flat(nested: Any) -> list[int]:
+    """The ranks of a nested list (a mesh's ``tolist()``), in order."""
+    if isinstance(nested, list):
+        return [r for item in nested for r in _flat(item)]
+    return [int(nested)]
+
+
 def _mesh_view(
-    name: str, sub: DeviceMesh, rank: int, prove: bool, disagreement: str | None
+    name: str,
+    sub: DeviceMesh,
+    tensor: list[Any],
+    rank: int,
+    prove: bool,
+    disagreement: str | None,
 ) -> GroupView:
-    members = tuple(int(r) for r in sub.mesh.flatten().tolist())
+    members = tuple(_flat(tensor))
     backends = mesh_backends(sub)
     prove = prove and disagreement is None and "fake" not in backends
     return GroupView(
         name=name,
         members=members,
         local_rank=members.index(rank) if rank in members else -1,
-        mesh=sub.mesh.tolist(),
+        mesh=tensor,
         gathered=_gather_along_dims(sub) if prove else None,
         disagreement=disagreement,
         backends=backends,
