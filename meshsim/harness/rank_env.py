@@ -14,13 +14,17 @@ run in turn there, so each starts in the caller's directory). On the threaded ti
 refused with a line saying why: threads share one working directory, and relative paths opened
 by other ranks would move with it.
 
-Not covered: C code reading the environment (``getenv``), and subprocesses started with
-``env=None``. Both see the process's environment, not the rank's copy.
+torch's own writes (``torch.compile``'s inductor sets ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``
+for the C++ it compiles, which reads it back with ``getenv``) go to the process's environment
+as well as the rank's copy: they describe the one process every rank shares, and C code sees
+no other environment. Not covered: C code reading a variable a rank's own code set, and
+subprocesses started with ``env=None``; both see the process's environment.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
@@ -60,7 +64,10 @@ class RankEnviron(MutableMapping[str, str]):
             raise TypeError(
                 f"str expected, not {type(key if not isinstance(key, str) else value).__name__}"
             )
-        self._target()[key] = value
+        own = self._target()
+        own[key] = value
+        if own is not self.process and _written_by_torch():
+            self.process[key] = value  # putenv: torch's C++ reads it with getenv
 
     def __delitem__(self, key: str) -> None:
         del self._target()[key]
@@ -76,6 +83,20 @@ class RankEnviron(MutableMapping[str, str]):
 
     def __repr__(self) -> str:
         return f"RankEnviron({dict(self._target())!r})"
+
+
+#: Modules whose frames stand between a write and its author (``os.environ.setdefault`` and
+#: ``update`` are ``MutableMapping`` methods).
+_PASS_THROUGH = ("_collections_abc", "os", __name__)
+
+
+def _written_by_torch() -> bool:
+    """Whether the code writing to ``os.environ`` now is torch's own."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in _PASS_THROUGH:
+        frame = frame.f_back
+    name = "" if frame is None else str(frame.f_globals.get("__name__", ""))
+    return name == "torch" or name.startswith("torch.")
 
 
 @contextmanager

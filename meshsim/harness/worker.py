@@ -146,11 +146,14 @@ class _KeptWorld:
 #: whatever a collection left) loaded a 2-core machine to a load average in the hundreds,
 #: mostly in the kernel, while the test suite ran.
 _SPARE_THREADS = 96
-#: Environment variables torch itself sets when a module is first imported, not the body:
-#: ``torch._dynamo`` (imported by the first optimizer a process builds) sets the inductor
-#: cache dir. Reporting them retired every worker whose job built an optimizer, so the next
-#: job paid the ~9 s import again on a loaded 2-core machine.
-_SET_BY_TORCH_IMPORTS = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+#: Environment variables torch itself sets once per process, not the body: ``torch._dynamo``
+#: (imported by the first optimizer a process builds) sets the inductor cache dir, and the
+#: first CPU ``torch.compile`` the address its C++ reads back with ``getenv``. Reporting them
+#: retired every worker whose job built an optimizer, so the next job paid the ~9 s import
+#: again on a loaded 2-core machine.
+_SET_BY_TORCH_IMPORTS = frozenset(
+    {"TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+)
 
 
 def _release_groups() -> None:

@@ -59,3 +59,37 @@ def test_chdir_on_gloo_is_the_ranks_own(tmp_path: Path) -> None:
     before = os.getcwd()
     assert meshsim.run(_chdir, 2, backend="gloo", args=(str(tmp_path),)) == [str(tmp_path)] * 2
     assert os.getcwd() == before
+
+
+def _compiled_step() -> tuple[float, str]:
+    import torch
+
+    os.environ["MESHSIM_TEST_MINE"] = os.environ["RANK"]
+    f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+    return round(float(f(torch.ones(3)).sum()), 5), os.environ["MESHSIM_TEST_MINE"]
+
+
+def test_torch_compile_on_cpu_runs_in_threaded_ranks() -> None:
+    """Inductor sets ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`` and its compiled C++ reads it
+    back with ``getenv``: when a rank's copy of the environment swallowed torch's write, every
+    CPU ``torch.compile`` in a threaded rank (and in ``assert_matches_serial``'s serial twin)
+    failed with "must be set" (found running torchtitan's own step). torch's writes now reach
+    the process's environment; a rank's own writes still stay its own."""
+    import torch
+
+    pytest.importorskip("torch._inductor")
+    expected = round(float((torch.sin(torch.ones(3)) * 2 + 1).sum()), 5)
+    try:
+        seen = meshsim.run(_compiled_step, 2, backend="threaded", timeout=600)
+    finally:
+        _stop_tqdm_monitor()  # inductor's progress bars start it: torch's, not a rank's
+    assert seen == [(expected, "0"), (expected, "1")]
+    assert "MESHSIM_TEST_MINE" not in os.environ
+
+
+def _stop_tqdm_monitor() -> None:
+    tqdm = pytest.importorskip("tqdm")
+    monitor = getattr(tqdm.tqdm, "monitor", None)
+    if monitor is not None:
+        monitor.exit()
+        tqdm.tqdm.monitor = None
