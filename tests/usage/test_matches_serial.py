@@ -152,3 +152,42 @@ def test_a_step_that_returns_nothing_is_told_what_to_return() -> None:
 
     with pytest.raises(meshsim.RankFailure, match="return the model"):
         meshsim.assert_matches_serial(step, 2, "torch", mesh_shape=(2,), mesh_dim_names=("dp",))
+
+
+def test_a_float32_loss_logged_as_a_float_is_named_rounding_not_a_scale() -> None:
+    """A float32 loss averaged by an all-reduce differs from the serial mean in its last bits;
+    logged as a Python float it is held to float64's tolerance. The first line says rounding
+    (it said "is 1x (1/1) the serial one: a scale that is no ratio of group sizes")."""
+
+    def step(ctx: object, as_float: bool = True) -> dict[str, object]:
+        import torch
+        import torch.distributed as dist
+
+        weight = torch.nn.Parameter(torch.ones(1))
+        values = ctx.batch(0)  # type: ignore[attr-defined]
+        size, rank = ctx.size("dp"), ctx.local_rank("dp")  # type: ignore[attr-defined]
+        local = values.chunk(size)[rank].sum()
+        if size > 1:
+            dist.all_reduce(local, group=ctx.group("dp"))  # type: ignore[attr-defined]
+        loss = local / values.numel()
+        ctx.record({"w": weight}, loss=float(loss) if as_float else loss)  # type: ignore[attr-defined]
+        return {"w": weight}
+
+    def batch(i: int) -> object:
+        import torch
+
+        return torch.rand(4096, generator=torch.Generator().manual_seed(7)) * 1000
+
+    with pytest.raises(SerialMismatch) as raised:
+        meshsim.assert_matches_serial(
+            step, 4, "torch", steps=1, batch=batch, mesh_shape=(4,), mesh_dim_names=("dp",)
+        )
+    first = str(raised.value).splitlines()[0]
+    assert first.startswith("logged `loss` at step 1 on ranks 0-3 differs from the serial one")
+    assert "rounding, not a wrong group" in first and "float64" in first
+    assert "1x (1/1)" not in first
+    # Recorded as the float32 tensor it is, it is compared at float32's tolerance: it passes.
+    tensor_step = functools.partial(step, as_float=False)
+    meshsim.assert_matches_serial(
+        tensor_step, 4, "torch", steps=1, batch=batch, mesh_shape=(4,), mesh_dim_names=("dp",)
+    )
