@@ -289,7 +289,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="build every layout on every rank of the tier; by default a layout whose groups "
         "(kind names aside) an earlier layout of its framework already builds is built on "
         "three fake ranks and diffed against its own reference, and its groups are proven "
-        "live once, on the earlier layout",
+        "live once, on the earlier layout (not with --real: the framework's own code is "
+        "built in full on the asked tier)",
     )
     sweep.add_argument(
         "--sample",

@@ -251,9 +251,10 @@ class _Run:
             shares = {}
         steps = planning.live_steps(self.args, self.cases, kept, shares)
         self.planned = {i for step in steps for i in step.indices}
-        for step in steps:
-            for index in step.indices if step.ranks is not None else ():
-                self.outcomes[index].shares = self.outcomes[shares[index]]
+        if not self.args.sample:
+            for index, first in planning.buildable_shares(self.args, self.cases, shares).items():
+                if index in self.planned:
+                    self.outcomes[index].shares = self.outcomes[first]
         self.tiers = list(dict.fromkeys(step.tier for step in steps)) or self.tiers
         self._announce(len(kept), steps)
         if self.args.budget is not None:

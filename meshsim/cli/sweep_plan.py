@@ -6,8 +6,9 @@ Many layouts of a world build the same process groups under other names (megatro
 move degree-1 dims, a ``cp=2`` mesh and a ``tp=2`` one): the live proof of those groups is
 the same work each time, so it is done once per group fingerprint
 (``meshsim.model.fingerprint``). The framework's code for every other layout still runs, and
-is still diffed against that layout's own reference, on the ranks :func:`sample_ranks` picks,
-on the fake tier. ``--exhaustive`` builds every layout on every rank instead.
+is still diffed against that layout's own reference, on the ranks :func:`sample_ranks`
+picks, on the fake tier. ``--exhaustive`` builds every layout on every rank instead, and
+``--real`` does so too (:func:`fake_builds`).
 """
 
 from __future__ import annotations
@@ -93,11 +94,20 @@ def spaced(cases: Sequence[LayoutCase], indices: Sequence[int], per_framework: i
 
 
 def fake_builds(case: LayoutCase, real: bool) -> bool:
-    """Whether the fake tier can build ``case``: megatron's own code (``--real``) makes gloo
-    process groups by default, which the fake backend cannot (a torch assertion)."""
-    if not real or case.framework != "megatron":
-        return True
-    return case.config.get("create_gloo_process_groups", True) is False
+    """Whether a repeat of a group structure can be built on the fake tier: meshsim's
+    builders can; a framework's own code (``--real``) is built on the asked tier, since the
+    fake tier cannot run it all (megatron makes gloo groups, a torch assertion there) nor
+    observe it all (accelerate's and transformers' adapters find the data-loading peers by
+    communicating)."""
+    return not real
+
+
+def buildable_shares(
+    args: Any, cases: Sequence[LayoutCase], shares: dict[int, int]
+) -> dict[int, int]:
+    """The layouts of ``shares`` the fake tier can build; the others are built in full on
+    the asked tier, like a layout of its own."""
+    return {i: first for i, first in shares.items() if fake_builds(cases[i], args.real)}
 
 
 def live_steps(
@@ -105,13 +115,15 @@ def live_steps(
 ) -> list[Step]:
     """The live steps after the reference step, in run order, over the layouts ``kept``
     (``--within-node`` left the others out). ``shares`` maps each layout that repeats a group
-    structure to the layout that proves it (empty with ``--exhaustive``); one the fake tier
-    cannot build is built in full like a layout of its own."""
+    structure to the layout that proves it (empty with ``--exhaustive``).
+
+    The repeats are built on the fake tier on :func:`sample_ranks` (meshsim's builders only:
+    see :func:`fake_builds`)."""
     if args.backend == "reference":
         return []
     if args.cross_check:
         return [Step(tier, list(kept)) for tier in ("fake", *COMMUNICATING)]
-    shares = {i: first for i, first in shares.items() if fake_builds(cases[i], args.real)}
+    shares = buildable_shares(args, cases, shares)
     representatives = [i for i in kept if i not in shares]
     members = [i for i in kept if i in shares]
     if args.sample:
@@ -119,7 +131,8 @@ def live_steps(
         members = []
     steps = [Step(args.backend, representatives)]
     if members:
-        steps.append(Step("fake", members, sample_ranks(cases[members[0]].world_size)))
+        world = cases[members[0]].world_size
+        steps.append(Step("fake", members, sample_ranks(world)))
     if args.communicate:
         chosen = spaced(cases, representatives, args.communicate)
         steps += [Step(tier, chosen) for tier in COMMUNICATING if tier != args.backend]

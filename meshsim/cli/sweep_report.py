@@ -242,11 +242,17 @@ def summary_table(out: Any, report: Report) -> None:
     shared = report.shared
     if shared:
         first = next(iter(shared[0].results.values()))
+        ranks = getattr(first, "ranks", None)
+        where = (
+            "on every rank of the fake tier"
+            if ranks is None
+            else (f"on fake ranks {','.join(map(str, ranks))}")
+        )
         out.print(
             f"{report.structures} distinct group structures: each was built on every rank; "
-            f"the {len(shared)} layouts that repeat one were built {tier_label('fake', first)} "
-            "and diffed against their own reference, their groups proven on the first "
-            "(--exhaustive builds every layout on every rank)"
+            f"the {len(shared)} layouts that repeat one were built {where} and diffed "
+            "against their own reference, their groups proven on the first "
+            "(--exhaustive builds every layout on every rank of the asked tier)"
         )
     if report.unbuilt:
         why = "--budget ran out" if report.budget_spent else "--sample"

@@ -7,7 +7,7 @@ megatron's ``order`` strings that differ only in where degree-1 dims sit, ``tp=2
 restates a default. Proving by all-gather that groups of those ranks communicate is the same
 work for each of them, so a sweep proves it once per fingerprint (``meshsim.cli.sweep``).
 What differs between such configs, the framework's code path, is still run for every one of
-them, on a few ranks of the fake tier.
+them, on the fake tier.
 """
 
 from __future__ import annotations

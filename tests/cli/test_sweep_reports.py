@@ -80,17 +80,18 @@ def test_layouts_that_build_the_same_groups_share_one_live_proof() -> None:
     assert set(sampled[0].indices) <= set(representatives)
 
 
-def test_megatrons_own_code_is_never_put_on_the_fake_tier() -> None:
-    """--real megatron makes gloo groups the fake backend cannot make: its layouts that
-    repeat a structure are built in full on the asked tier instead."""
-    cases = layouts(8, "megatron")
+@pytest.mark.parametrize("framework", ["megatron", "accelerate"])
+def test_a_frameworks_own_code_is_never_moved_to_the_fake_tier(framework: str) -> None:
+    """--real builds every layout in full on the asked tier: the fake tier cannot run all of
+    the frameworks' code (megatron's gloo groups) nor observe it (accelerate's data-loading
+    peers are found by communicating: 15 of its 27 world-4 layouts failed falsely there)."""
+    cases = layouts(8, framework)
     every = list(range(len(cases)))
     fingerprints = [group_fingerprint(c.expect()) for c in cases]
     _, shares = distinct(cases, fingerprints, every)
+    assert shares  # there are repeats to move, and none is moved
     steps = live_steps(_sweep_args(backend="gloo", real=True), cases, every, shares)
-    gloo_off = {i for i in shares if cases[i].config.get("create_gloo_process_groups") is False}
-    assert steps[0].tier == "gloo" and len(steps[0].indices) == len(cases) - len(gloo_off)
-    assert all(step.tier == "gloo" or set(step.indices) <= gloo_off for step in steps)
+    assert steps == [Step("gloo", every)]
 
 
 def test_sweep_json_on_stdout_with_per_tier_summary_and_progress_lines() -> None:

@@ -301,8 +301,10 @@ def test_pipeline_module_parts_match_reference(method: str) -> None:
 
 def test_sweep_real_runs_every_layout_through_deepspeed(tmp_path: Path) -> None:
     """``meshsim sweep --real --framework deepspeed``: the documented CI entry point for a
-    framework, every valid layout built by DeepSpeed's own code: each distinct group structure
-    on gloo (its default tier), each layout repeating one on three fake ranks."""
+    framework, every valid layout built by DeepSpeed's own code on gloo (its default tier),
+    each on every rank: with --real no layout is moved to the fake tier for repeating
+    another's groups (the fake tier cannot observe every adapter: accelerate's data-loading
+    peers are found by communicating)."""
     from tests.cli.helpers import run_cli
 
     report = tmp_path / "sweep.json"
@@ -311,11 +313,10 @@ def test_sweep_real_runs_every_layout_through_deepspeed(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(report.read_text())
-    assert data["real"] is True and data["tiers"][0] == "gloo"
+    assert data["real"] is True and data["tiers"] == ["gloo"]
     assert data["layouts_done"] == len(layouts(4, "deepspeed")) == data["passed"]
-    proven = [r for r in data["results"] if r["shares_groups_with"] is None]
-    assert len(proven) == data["distinct_group_structures"]
-    assert all(list(r["tiers"]) == ["gloo"] for r in proven)
-    assert all(list(r["tiers"]) == ["fake"] for r in data["results"] if r not in proven)
+    assert all(list(r["tiers"]) == ["gloo"] for r in data["results"])
+    assert all(r["shares_groups_with"] is None for r in data["results"])
+    assert all(r["tiers"]["gloo"]["ranks"] is None for r in data["results"])
     results = [t for r in data["results"] for t in r["tiers"].values()]
     assert all(t["real"] and t["kinds_skipped"] == {} for t in results)
