@@ -721,22 +721,31 @@ def test_partition_parts_refuses_unknown_methods() -> None:
     st.lists(st.integers(0, 50), min_size=1, max_size=9),
 )
 @example(5, [3, 7, 4, 4, 4, 10])
-def test_balanced_parts_are_contiguous_and_no_worse_than_uniform(
+@example(3, [3, 3, 6, 1])
+def test_balanced_parts_are_contiguous_and_match_deepspeeds_own(
     stages: int, weights: list[int]
 ) -> None:
-    """What partition_balanced minimises, the heaviest stage's load (a binary search on the
-    bottleneck), is at most uniform's. Not the spread (heaviest - lightest): with weights
-    [3, 7, 4, 4, 4, 10] on 5 stages DeepSpeed 0.19.8's own partition_balanced gives loads
-    3, 7, 8, 4, 10 (spread 7) where uniform gives 10, 4, 4, 4, 10 (spread 6), both heaviest
-    10; an earlier version of this test asserted the spread and failed on it."""
+    """``partition_parts(..., "parameters")`` is DeepSpeed's ``partition_balanced``, answer for
+    answer where DeepSpeed is installed, and contiguous cut points everywhere.
+
+    No optimality is claimed, because DeepSpeed's search claims none: for [3, 3, 6, 1] on 3
+    stages it cuts [0, 1, 2, 4] (heaviest stage 7) where uniform's [0, 2, 3, 4] has 6, and for
+    [3, 7, 4, 4, 4, 10] on 5 its stages spread wider than uniform's. Earlier versions of this
+    test asserted "no worse than uniform" (by spread, then by the heaviest stage) and failed
+    on those examples, with meshsim matching DeepSpeed 0.19.8 on both."""
     parts = deepspeed.partition_parts(stages, weights, "parameters")
     assert parts[0] == 0 and parts[-1] == len(weights) and parts == sorted(parts)
-    if len(weights) > stages:
+    own = _deepspeed_partition_balanced()
+    if own is not None and len(weights) >= stages:
+        assert parts == [int(p) for p in own(weights, stages)]
 
-        def heaviest(cut: list[int]) -> int:
-            return max(sum(weights[a:b]) for a, b in itertools.pairwise(cut))
 
-        assert heaviest(parts) <= heaviest(deepspeed.partition_parts(stages, weights, "uniform"))
+def _deepspeed_partition_balanced() -> Any:
+    try:
+        from deepspeed.runtime.utils import partition_balanced
+    except ImportError:  # the cross-check needs DeepSpeed itself (CI installs it)
+        return None
+    return partition_balanced
 
 
 @pytest.mark.parametrize("world", [8, 16])
