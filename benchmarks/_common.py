@@ -34,6 +34,16 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: import meshsim f
 # ---------------------------------------------------------------------------- the machine
 
 
+#: The variables a launched job sets: a benchmark's child command must not see them.
+JOB_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+def job_free_env() -> dict[str, str]:
+    """This process's environment without a launched job's variables (a command started by
+    a benchmark run under torchrun must not think it is one of the job's ranks)."""
+    return {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
+
+
 def loadavg() -> list[float]:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import job_free_env
+
 SUITE = """
 import pytest
 import torch
@@ -93,7 +95,7 @@ def write_suite(root: Path) -> int:
 def run_once(root: Path, xdist: bool) -> dict[str, float]:
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0"]
     args += ["-n", "2"] if xdist else ["-p", "no:xdist"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env = job_free_env()
     start = time.perf_counter()
     done = subprocess.run(args, cwd=root, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start

@@ -21,14 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, job_free_env
 
 
 def sweep(*args: str) -> dict[str, object]:
     """One ``python -m meshsim sweep ARGS --json F``: wall seconds and the report's counts."""
     out = ROOT / "benchmarks" / "results" / f".sweep-scale-{os.getpid()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env = job_free_env()
     command = [sys.executable, "-m", "meshsim", "sweep", *args, "--json", str(out)]
     load = os.getloadavg()[0]
     start = time.perf_counter()

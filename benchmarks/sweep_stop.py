@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, fmt_s, loadavg, md_table, section_main
+from _common import ROOT, fmt_s, job_free_env, loadavg, md_table, section_main
 
 #: (name, sweep arguments, where to signal, signal). Where: "worker" (its worker process
 #: exists: start-up), "result" (a progress line counts a result: mid-sweep), "ranks" (at
@@ -48,7 +48,7 @@ SCENARIOS = (
 def one(args: list[str], where: str, sig: signal.Signals, folder: Path) -> dict[str, Any]:
     report = folder / "sweep.json"
     report.unlink(missing_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env = job_free_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshsim", "sweep", *args, "--json", str(report)],
         cwd=ROOT,

@@ -221,7 +221,7 @@ def verify(
         result = _result(args, backend, seconds=time.perf_counter() - start, error=str(error))
     else:
         result = _judge(args, backend, reference, built)
-    return result if ranks is None else dataclasses.replace(result, ranks=tuple(ranks))
+    return _built_on(result, ranks)
 
 
 def verify_case(case: LayoutCase, backend: str = "gloo", **options: Any) -> VerifyResult:
@@ -276,7 +276,7 @@ def _fake_batch(
         return
     for index, (args, reference) in enumerate(zip(batch, references)):
         result = _judge(args, "fake", reference, [built[index] for built in per_rank])
-        yield result if ranks is None else dataclasses.replace(result, ranks=tuple(ranks))
+        yield _built_on(result, ranks)
 
 
 def _check(framework: str, real: bool) -> None:
@@ -306,6 +306,11 @@ def _run(fn: Any, world: int, backend: str, timeout: float, ranks: Any, args: tu
 
 
 Args = tuple[str, int, Mapping[str, Any], bool]
+
+
+def _built_on(result: VerifyResult, ranks: Sequence[int] | None) -> VerifyResult:
+    """``result``, saying which ranks built it when not every rank did."""
+    return result if ranks is None else dataclasses.replace(result, ranks=tuple(ranks))
 
 
 def _result(args: Args, backend: str, **fields: Any) -> VerifyResult:

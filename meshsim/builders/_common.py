@@ -146,7 +146,7 @@ def collect(entries: Mapping[str, Entry]) -> Observation:
     # it would never complete. Every rank makes both checks, so the store rounds pair up.
     # torch recomputes a mesh's rank tensor on every ``.mesh``: read each once.
     tensors = {n: m.mesh.tolist() for n, m in meshes.items()}
-    claims = {n: tuple(_flat(tensors[n])) for n in meshes}
+    claims = {n: tuple(flat_ranks(tensors[n])) for n in meshes}
     disagree = disagreements(claims) if prove else {}
     views = {
         n: _mesh_view(n, m, tensors[n], rank, prove, disagree.get(n)) for n, m in meshes.items()
@@ -166,10 +166,10 @@ def _group_of(entry: Entry) -> Any:
     return entry.get_group() if isinstance(entry, DeviceMesh) else entry
 
 
-def _flat(nested: Any) -> list[int]:
+def flat_ranks(nested: Any) -> list[int]:
     """The ranks of a nested list (a mesh's ``tolist()``), in order."""
     if isinstance(nested, list):
-        return [r for item in nested for r in _flat(item)]
+        return [r for item in nested for r in flat_ranks(item)]
     return [int(nested)]
 
 
@@ -181,7 +181,7 @@ def _mesh_view(
     prove: bool,
     disagreement: str | None,
 ) -> GroupView:
-    members = tuple(_flat(tensor))
+    members = tuple(flat_ranks(tensor))
     backends = mesh_backends(sub)
     prove = prove and disagreement is None and "fake" not in backends
     return GroupView(

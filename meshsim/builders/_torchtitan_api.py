@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshsim.builders._common import Entry
+from meshsim.builders._common import Entry, flat_ranks
 from meshsim.checks import GroupView, Observation
 from meshsim.checks.snapshot import disagreements, mesh_backends
 
@@ -110,7 +110,7 @@ def observe(named: dict[str, Entry]) -> Observation:
     for entry in meshes.values():
         if id(entry) not in read:
             read[id(entry)] = (entry.mesh.tolist(), mesh_backends(entry))
-    claims = {n: tuple(_flat(read[id(m)][0])) for n, m in meshes.items()}
+    claims = {n: tuple(flat_ranks(read[id(m)][0])) for n, m in meshes.items()}
     disagree = disagreements(claims)  # claims compared first: inconsistent views never hang
     for name, entry in meshes.items():
         members = claims[name]
@@ -126,13 +126,6 @@ def observe(named: dict[str, Entry]) -> Observation:
             backends=read[id(entry)][1],
         )
     return Observation(rank, world, backend, views, absent=tuple(absent))
-
-
-def _flat(nested: Any) -> list[int]:
-    """The ranks of a nested list (a mesh's ``tolist()``), in order."""
-    if isinstance(nested, list):
-        return [r for item in nested for r in _flat(item)]
-    return [int(nested)]
 
 
 def _proof(

@@ -155,14 +155,7 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
         [o for o in outcomes if o.left_out],
         structures=sweep.structures,
         budget_spent=sweep.budget_spent,
-        unbuilt=[
-            o
-            for i, o in enumerate(outcomes)
-            if o.examined
-            and not o.results
-            and not o.left_out
-            and (i not in sweep.planned or sweep.budget_spent)
-        ],
+        unbuilt=sweep.unbuilt(),
     )
     _print(out, report)
     if args.json:
@@ -247,19 +240,28 @@ class _Run:
         fingerprints = [o.fingerprint for o in self.outcomes]
         representatives, shares = planning.distinct(self.cases, fingerprints, kept)
         self.structures = len(representatives)
-        if self.args.exhaustive or self.args.cross_check:
-            shares = {}
+        shares = planning.repeats(self.args, shares)
         steps = planning.live_steps(self.args, self.cases, kept, shares)
         self.planned = {i for step in steps for i in step.indices}
-        if not self.args.sample:
-            for index, first in planning.buildable_shares(self.args, self.cases, shares).items():
-                if index in self.planned:
-                    self.outcomes[index].shares = self.outcomes[first]
+        for index in shares.keys() & self.planned:  # --sample plans no repeat
+            self.outcomes[index].shares = self.outcomes[shares[index]]
         self.tiers = list(dict.fromkeys(step.tier for step in steps)) or self.tiers
         self._announce(len(kept), steps)
         if self.args.budget is not None:
             self.deadline = time.perf_counter() + self.args.budget
         return all(self._step(step, progress) for step in steps)
+
+    def unbuilt(self) -> list[Outcome]:
+        """The layouts the reference examined and no live step built, by design (``--sample``,
+        ``--backend reference``) or because ``--budget`` ran out; not those a signal cut off."""
+        return [
+            o
+            for i, o in enumerate(self.outcomes)
+            if o.examined
+            and not o.results
+            and not o.left_out
+            and (i not in self.planned or self.budget_spent)
+        ]
 
     def _announce(self, kept: int, steps: Sequence[Step]) -> None:
         """Before the live steps: their size, and a rough estimate of their time."""

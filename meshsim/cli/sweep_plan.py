@@ -8,7 +8,7 @@ the same work each time, so it is done once per group fingerprint
 (``meshsim.model.fingerprint``). The framework's code for every other layout still runs, and
 is still diffed against that layout's own reference, on the ranks :func:`sample_ranks`
 picks, on the fake tier. ``--exhaustive`` builds every layout on every rank instead, and
-``--real`` does so too (:func:`fake_builds`).
+``--real`` does so too (:func:`repeats`).
 """
 
 from __future__ import annotations
@@ -93,21 +93,15 @@ def spaced(cases: Sequence[LayoutCase], indices: Sequence[int], per_framework: i
     return sorted(chosen)
 
 
-def fake_builds(case: LayoutCase, real: bool) -> bool:
-    """Whether a repeat of a group structure can be built on the fake tier: meshsim's
-    builders can; a framework's own code (``--real``) is built on the asked tier, since the
-    fake tier cannot run it all (megatron makes gloo groups, a torch assertion there) nor
-    observe it all (accelerate's and transformers' adapters find the data-loading peers by
-    communicating)."""
-    return not real
-
-
-def buildable_shares(
-    args: Any, cases: Sequence[LayoutCase], shares: dict[int, int]
-) -> dict[int, int]:
-    """The layouts of ``shares`` the fake tier can build; the others are built in full on
-    the asked tier, like a layout of its own."""
-    return {i: first for i, first in shares.items() if fake_builds(cases[i], args.real)}
+def repeats(args: Any, shares: dict[int, int]) -> dict[int, int]:
+    """The repeats of ``shares`` to build on fake ranks: none under ``--exhaustive`` or
+    ``--cross-check``, nor under ``--real``: the fake tier cannot run all of a framework's own
+    code (megatron makes gloo groups, a torch assertion there) nor observe it all
+    (accelerate's and transformers' adapters find the data-loading peers by communicating),
+    so those are built in full on the asked tier, each like a layout of its own."""
+    if getattr(args, "exhaustive", False) or args.cross_check or args.real:
+        return {}
+    return shares
 
 
 def live_steps(
@@ -117,13 +111,13 @@ def live_steps(
     (``--within-node`` left the others out). ``shares`` maps each layout that repeats a group
     structure to the layout that proves it (empty with ``--exhaustive``).
 
-    The repeats are built on the fake tier on :func:`sample_ranks` (meshsim's builders only:
-    see :func:`fake_builds`)."""
+    The repeats are built on the fake tier on :func:`sample_ranks` (those :func:`repeats`
+    keeps)."""
     if args.backend == "reference":
         return []
     if args.cross_check:
         return [Step(tier, list(kept)) for tier in ("fake", *COMMUNICATING)]
-    shares = buildable_shares(args, cases, shares)
+    shares = repeats(args, shares)
     representatives = [i for i in kept if i not in shares]
     members = [i for i in kept if i in shares]
     if args.sample:

@@ -119,7 +119,7 @@ def examine(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
 def _examine_reference(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
     """The reference step: each layout's findings, placement and group fingerprint, without a
     live rank (torch is never imported here)."""
-    from meshsim.model.fingerprint import group_fingerprint
+    from meshsim.model.fingerprint import group_fingerprint, process_group_kinds
 
     for index, case in enumerate(chunk.cases):
         start = time.perf_counter()
@@ -134,21 +134,12 @@ def _examine_reference(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
             continue
         findings, placed = _reference_facts(case, chunk.question, expected)
         fingerprint = group_fingerprint(expected)
-        groups = _group_count(expected)
+        groups = sum(len(kind.groups()) for kind in process_group_kinds(expected))
         derived = expected.derived_kinds()
         kinds = tuple(k for k in expected.kinds() if k not in derived)
         seconds = time.perf_counter() - start
         result = ReferenceResult(case.framework, case.world_size, dict(case.config), seconds, kinds)
         yield index, Examined(result, findings, placed, fingerprint, groups)
-
-
-def _group_count(expected: Any) -> int:
-    total = 0
-    for name in expected.kinds():
-        kind = expected.kind(name)
-        if kind.available and not kind.derived:
-            total += len(kind.groups())
-    return total
 
 
 def _drain(answers: list[tuple[int, Examined]]) -> Iterator[tuple[int, Examined]]:

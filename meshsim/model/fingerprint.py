@@ -27,10 +27,7 @@ def group_fingerprint(expected: Expected) -> str:
     call a family ``tp`` where the other calls it ``cp``.
     """
     parts: list[bytes] = []
-    for name in expected.kinds():
-        kind = expected.kind(name)
-        if kind.derived or not kind.available:
-            continue
+    for kind in process_group_kinds(expected):
         rows = kind.groups().canonical()
         digest = hashlib.blake2b(digest_size=16)
         digest.update(
@@ -43,6 +40,12 @@ def group_fingerprint(expected: Expected) -> str:
     for part in sorted(set(parts)):
         total.update(part)
     return total.hexdigest()
+
+
+def process_group_kinds(expected: Expected) -> list[Kind]:
+    """The kinds some process group has: neither derived nor refused by the framework."""
+    kinds = (expected.kind(name) for name in expected.kinds())
+    return [kind for kind in kinds if kind.available and not kind.derived]
 
 
 def _dims(kind: Kind) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
