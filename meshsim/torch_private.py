@@ -490,6 +490,18 @@ def set_mesh_group_factory(factory: Any) -> None:
     importlib.import_module(DEVICE_MESH).DeviceMesh._init_one_process_group = factory
 
 
+def mesh_layout_classes() -> tuple[type, ...]:
+    """torch's layout classes (``_MeshLayout``, and ``_FlatLayout`` from 2.13), or none on a
+    release without the CuTe layout module."""
+    try:
+        layout = importlib.import_module(MESH_LAYOUT)
+    except ImportError:
+        return ()
+    return tuple(
+        getattr(layout, name) for name in ("_MeshLayout", "_FlatLayout") if hasattr(layout, name)
+    )
+
+
 def mesh_layout_axis(sub_layout: Any) -> Any:
     """One dim's ``_MeshLayout``: 2.13+ passes a ``_FlatLayout`` axis, 2.10-2.12 the layout."""
     layout = importlib.import_module(MESH_LAYOUT)

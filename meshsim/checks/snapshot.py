@@ -171,8 +171,10 @@ def observe(mesh: DeviceMesh, *, prove: bool = True, include_flattened: bool = T
             "init_device_mesh(..., mesh_dim_names=(...)) so groups can be matched by name"
         )
     prove = prove and _can_communicate(dist)
+    rows = _rows_through_me(mesh)
     found: dict[str, tuple[Any, Any]] = {
-        dim: (mesh.get_group(dim), mesh[dim].mesh) for dim in names
+        dim: (mesh.get_group(dim), rows[i] if rows else mesh[dim].mesh)
+        for i, dim in enumerate(names)
     }
     if include_flattened:
         for flat_name, flat_mesh in torch_private.flatten_mapping(mesh).items():
@@ -191,6 +193,22 @@ def observe(mesh: DeviceMesh, *, prove: bool = True, include_flattened: bool = T
         mesh_dim_names=tuple(names),
         coordinate=None if coordinate is None else tuple(int(c) for c in coordinate),
     )
+
+
+def _rows_through_me(mesh: DeviceMesh) -> list[Any] | None:
+    """Per dim, the row of ``mesh``'s rank tensor through this rank: what ``mesh[dim].mesh``
+    is, read from one ``mesh.mesh`` (torch recomputes that tensor on each access, and
+    ``mesh[dim]`` builds a sub-mesh; at 1,024 fake ranks that was a third of ``observe``).
+    ``None`` where this rank is not in ``mesh`` (then ``mesh[dim]`` answers)."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    tensor = mesh.mesh
+    rows = []
+    for dim in range(tensor.dim()):
+        index = tuple(slice(None) if d == dim else c for d, c in enumerate(coordinate))
+        rows.append(tensor[index])
+    return rows
 
 
 def observe_groups(

@@ -94,6 +94,16 @@ class RankSink(TrackingSink):
         else:
             self.calls.append((step, call))
 
+    def created(self, calls: Sequence[Call]) -> None:
+        """World-synchronised creations made in one step: compared in bulk."""
+        if not calls:
+            return
+        self.count += len(calls)
+        self.raised_id = self.raised_in = self.current = None
+        self.last = calls[-1]
+        self._comparison.creations(self.rank, self.step, calls)
+        self.step += len(calls)
+
 
 class Comparison:
     """Collects every fake rank's recording and finds the earliest divergence."""
@@ -136,6 +146,24 @@ class Comparison:
         elif _key(self._ref[k][1]) != _key(call):
             self._diverged = True
             self._note_creation(rank, k, (step, call))
+
+    def creations(self, rank: int, step: int, calls: Sequence[Call]) -> None:
+        """``creation`` for consecutive steps ``step, step+1, ...``; the same calls as the
+        reference's (the fast path shares one record per row across ranks) compare at C speed."""
+        if rank == self._ref_rank:
+            self._ref.extend(zip(range(step, step + len(calls)), calls))
+            return
+        k = self._index
+        if self._diverged or k + len(calls) > len(self._ref):
+            for offset, call in enumerate(calls):
+                self.creation(rank, step + offset, call)
+            return
+        ref = [c for _, c in self._ref[k : k + len(calls)]]
+        if ref == list(calls):  # ``==`` is stricter than ``_key``: equal means no divergence
+            self._index += len(calls)
+            return
+        for offset, call in enumerate(calls):
+            self.creation(rank, step + offset, call)
 
     def end_rank(self, sink: RankSink, *, final: bool = True, stuck: bool = False) -> None:
         """Close ``sink``'s rank; ``final=False``: its recording was cut short (see above);

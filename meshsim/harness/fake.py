@@ -21,6 +21,7 @@ from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.divergence import Comparison, RankSink
 from meshsim.harness.fake_groups import NonMemberFastPath
 from meshsim.harness.isolation import isolated_world, reset_rank_state
+from meshsim.harness.layout_memo import LayoutMemo
 from meshsim.harness.live import with_consequence
 from meshsim.harness.outcome import (
     RankOutcome,
@@ -43,6 +44,8 @@ class FakeBackend:
         outcomes: list[RankOutcome] = []
         recorder.install()
         fast_path = NonMemberFastPath()
+        layout_memo = LayoutMemo()
+        watchdog = Watchdog(job.timeout)  # one watching thread for every rank in turn
         try:
             with (
                 isolated_world(job.timeout, what="backend='fake'", per_thread=False),
@@ -50,17 +53,21 @@ class FakeBackend:
                 rank_env.in_process_environments("fake"),
             ):
                 fast_path.install()
+                if fast_path.installed:
+                    layout_memo.install()
                 try:
                     for rank in job.ranks:
                         reset_rank_state()
                         rng.torch_fresh()  # each rank starts as a new process: torch's seed
                         sink = comparison.begin_rank(rank)
-                        outcome = _run_rank(job, rank, sink)
+                        outcome = _run_rank(job, rank, sink, watchdog)
                         comparison.end_rank(sink, final=outcome.ok)
                         outcomes.append(outcome)
                         if outcome.status == "timeout":
                             break
                 finally:
+                    watchdog.close()
+                    layout_memo.uninstall()
                     fast_path.uninstall()
                     reset_rank_state()
         finally:
@@ -90,13 +97,12 @@ class FakeBackend:
         )
 
 
-def _run_rank(job: Job, rank: int, sink: RankSink) -> RankOutcome:
+def _run_rank(job: Job, rank: int, sink: RankSink, watchdog: Watchdog) -> RankOutcome:
     import torch.distributed as dist
 
     ctx = RankContext(rank=rank, world_size=job.world_size, backend="fake", device="cpu")
     dist.init_process_group("fake", store=_store(), rank=rank, world_size=job.world_size)
     recorder.set_sink(sink)
-    watchdog = Watchdog(job.timeout)
     try:
         with rank_context(ctx), rank_env.rank_environment(rank, job.world_size):
             try:

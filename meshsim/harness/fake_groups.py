@@ -49,7 +49,7 @@ class NonMemberFastPath:
         self._plans: dict[tuple, _Plan | None] = {}
         #: (plan, user's line) -> the plan's records naming that line, made once per run.
         self._sited: dict[tuple[int, object], tuple[recorder.Call, ...]] = {}
-        self._installed = False
+        self.installed = False
         self._original: Any = None
         self._new_group: Any = None
         self._new_group_with_tag: Any = None
@@ -60,7 +60,7 @@ class NonMemberFastPath:
         """Patch DeviceMesh (after ``recorder.install``, so its wrappers are what we expect)."""
         import torch.distributed.device_mesh as dm
 
-        if not ENABLED or self._installed or not hasattr(dm, "DeviceMesh"):
+        if not ENABLED or self.installed or not hasattr(dm, "DeviceMesh"):
             return
         original = torch_private.mesh_group_factory()
         if not isinstance(original, staticmethod):
@@ -70,14 +70,14 @@ class NonMemberFastPath:
         self._new_group_with_tag = torch_private.new_group_with_tag()
         fast = self._init_one_process_group
         torch_private.set_mesh_group_factory(staticmethod(fast))
-        self._installed = True
+        self.installed = True
 
     def uninstall(self) -> None:
         """Put torch's method back and forget the run's plans."""
 
-        if self._installed:
+        if self.installed:
             torch_private.set_mesh_group_factory(self._original)
-            self._installed = False
+            self.installed = False
         self._plans.clear()
         self._sited.clear()
 
@@ -148,9 +148,14 @@ class NonMemberFastPath:
             return
         sink = recorder._current_sink()
         if sink is not None and not getattr(recorder._tls, "depth", False):
-            for call in self._calls_at(plan, call_site(sys._getframe(1)))[start:stop]:
-                sink.enter(call)
-                sink.exit(call)
+            calls = self._calls_at(plan, call_site(sys._getframe(1)))[start:stop]
+            created = getattr(sink, "created", None)  # TrackingSink's bulk form
+            if created is not None:
+                created(calls)
+            else:
+                for call in calls:
+                    sink.enter(call)
+                    sink.exit(call)
         world = torch_private.world()
         world.group_count += stop - start
         last = plan.rows[stop - 1]

@@ -18,7 +18,7 @@ import functools
 import inspect
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -372,6 +372,13 @@ class TrackingSink:
     def enter(self, call: Call) -> None:
         self.current = call
         self.count += 1
+
+    def created(self, calls: Sequence[Call]) -> None:
+        """``calls``, world-synchronised creations, were each entered and left without error,
+        in order (the fake tier's non-member fast path records a dim's skipped rows so)."""
+        for call in calls:
+            self.enter(call)
+            self.exit(call)
 
     def exit(self, call: Call, error: BaseException | None = None) -> None:
         # ``raised_in`` before ``current``: a reader that finds no call in progress then

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import time
 import traceback
 
 
@@ -46,35 +47,59 @@ class Watchdog:
 
     Before interrupting it snapshots that thread's stack, so the timeout report shows where
     the thread was, not where the interrupt landed. The ``HarnessInterrupt`` may surface in
-    the ``with`` body or in ``__exit__``: callers catch it around the whole block.
+    the ``with`` body or in ``__exit__``: callers catch it around the whole block. One
+    watchdog serves any number of consecutive blocks of its thread (the fake tier's ranks,
+    1,024 of them at a time: one watching thread, not one each); ``close`` ends it.
     """
 
-    def __init__(self, seconds: float, ident: int | None = None) -> None:
+    def __init__(self, seconds: float | None, ident: int | None = None) -> None:
         self.seconds = seconds
         self.ident = ident if ident is not None else threading.get_ident()
         self.fired = False
         self.stack: str | None = None
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._watch, name="meshsim-watchdog", daemon=True)
+        self._deadline: float | None = None
+        self._closed = False
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     def _watch(self) -> None:
-        if self._done.wait(self.seconds):
-            return
-        with self._lock:
-            if self._done.is_set():
-                return
-            self.stack = thread_stack(self.ident)
-            self.fired = True
-            async_raise(self.ident)
+        with self._wake:
+            while not self._closed:
+                if self._deadline is None:
+                    self._wake.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._wake.wait(left)
+                    continue
+                self._deadline = None
+                self.stack = thread_stack(self.ident)
+                self.fired = True
+                async_raise(self.ident)
 
     def __enter__(self) -> Watchdog:
-        self._thread.start()
+        with self._wake:
+            self.fired, self.stack = False, None
+            if self.seconds is not None:
+                self._deadline = time.monotonic() + self.seconds
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="meshsim-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._done.set()
-        self._thread.join()
+        with self._wake:
+            self._deadline = None
         if self.fired and self.ident == threading.get_ident():
             async_raise(self.ident, None)  # drop an interrupt that has not landed yet
+
+    def close(self) -> None:
+        """Stop the watching thread (after the last block)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()

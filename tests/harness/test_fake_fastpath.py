@@ -174,3 +174,41 @@ def test_divergent_meshes_are_still_caught() -> None:
     text = str(info.value)
     assert f"rank 0 called new_group for group (0,4,8,12) (desc='mesh_dp') at {at} (step 0)" in text
     assert f"rank 9 called new_group for group (0,8) (desc='mesh_dp') at {at} (step 0)" in text
+
+
+def test_a_divergence_inside_a_run_of_skipped_rows_is_found_at_its_row() -> None:
+    """The skipped rows are compared in bulk: a difference in the middle of them is still
+    named at its own row, not at the start of the run of rows."""
+
+    def body() -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = list(range(16))
+        if dist.get_rank() == 9:
+            ranks[14], ranks[15] = 15, 14  # dp rows 2 and 3 differ; rank 9 is in row 1
+        DeviceMesh("cpu", torch.tensor(ranks).reshape(4, 4), mesh_dim_names=("dp", "tp"))
+
+    with pytest.raises(CollectiveDivergence) as info:
+        run(body, 16, "fake")
+    assert info.value.kind == "creation" and info.value.index == 2
+    text = str(info.value)
+    assert "rank 0 called new_group for group (2,6,10,14)" in text
+    assert "rank 9 called new_group for group (2,6,10,15)" in text
+
+
+def test_a_rank_that_alters_its_mesh_tensor_leaves_the_next_ranks_alone() -> None:
+    """torch's layout answers are kept for the run and shared by every rank; a rank writing
+    into the rank tensor torch handed it must not change what the next rank is handed."""
+
+    def body() -> list[list[int]]:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        seen = mesh.mesh.tolist()
+        mesh.mesh.add_(100)
+        mesh["tp"].mesh.add_(100)
+        return seen
+
+    assert run(body, 8, "fake") == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 8

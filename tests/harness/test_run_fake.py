@@ -263,3 +263,16 @@ def test_a_hanging_rank_times_out_with_its_stack() -> None:
     assert err.collectives == {1: None}
     assert "time.sleep(0.01)" in err.stacks[1]
     assert "rank 0: returned" in str(err) and "1 later rank(s) were not run" in str(err)
+
+
+def test_the_timeout_is_per_rank_not_for_the_whole_run() -> None:
+    """Ranks stand for concurrent processes: three ranks each well inside the timeout pass,
+    though together they take longer than it (one watchdog re-armed for each rank)."""
+
+    def body() -> int:
+        import torch.distributed as dist
+
+        time.sleep(0.8)
+        return dist.get_rank()
+
+    assert run(body, 3, "fake", timeout=2) == [0, 1, 2]
