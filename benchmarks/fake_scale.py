@@ -18,8 +18,6 @@ sum_d(world / size_d) ``new_group`` calls: 328 per rank at world 1,024, 335,872 
 ``--what-if`` (run in full mode) measures, in this process and interleaved, what the slack found
 in the harness would save, by monkeypatching (nothing in meshsim/ is edited):
 
-* ``fastdesc``: ``recorder._describe`` binds a creation's arguments by position
-  (``dict(zip(names, args))``) instead of ``inspect.Signature.bind_partial``;
 * ``plainworld``: the fake tier swaps in a plain ``c10d._World()`` instead of torch's
   ``ThreadLocalWorld`` (whose every attribute is a property doing a thread-local lookup);
 * ``nonmember``: ``_new_group_with_tag`` for a rank outside the new group only validates the
@@ -121,30 +119,12 @@ class Patches:
         from meshsim.harness import isolation, recorder
 
         self.c10d, self.isolation, self.recorder = c10d, isolation, recorder
-        self.orig_describe = recorder._describe
         self.orig_new_group = c10d._new_group_with_tag
         self.orig_threaded_pg_module = isolation.threaded_pg_module
         from torch.distributed.device_mesh import DeviceMesh
 
         self.mesh_class = DeviceMesh
         self.orig_init_one = DeviceMesh._init_one_process_group
-        self.names: dict[int, tuple[str, ...]] = {}
-
-    def fast_describe(self, kind: str, op: str, sig: Any, args: tuple, kwargs: dict) -> Any:
-        if kind == "create" and op == "new_group":
-            names = self.names.get(id(sig))
-            if names is None:
-                names = tuple(
-                    p.name
-                    for p in sig.parameters.values()
-                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                )
-                self.names[id(sig)] = names
-            if len(args) <= len(names):
-                bound = dict(zip(names, args))
-                bound.update(kwargs)
-                return self.recorder._describe_creation(op, bound)
-        return self.orig_describe(kind, op, sig, args, kwargs)
 
     def nonmember(
         self,
@@ -212,7 +192,6 @@ class Patches:
         return group.group_name
 
     def set(self, mode: str) -> None:
-        self.recorder._describe = self.fast_describe if "fastdesc" in mode else self.orig_describe
         new_group = self.nonmember if "nonmember" in mode else self.orig_new_group
         self.c10d._new_group_with_tag = new_group
         self.mesh_class._init_one_process_group = staticmethod(
@@ -227,10 +206,9 @@ class Patches:
 
 WHAT_IF_MODES = (
     "meshsim",
-    "meshsim+fastdesc",
-    "meshsim+fastdesc+plainworld",
-    "meshsim+fastdesc+plainworld+nonmember",
-    "meshsim+fastdesc+plainworld+owngroup",
+    "meshsim+plainworld",
+    "meshsim+plainworld+nonmember",
+    "meshsim+plainworld+owngroup",
     "bare torch",
     "bare torch+nonmember",
     "bare torch+owngroup",

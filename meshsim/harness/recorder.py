@@ -205,13 +205,45 @@ def group_ranks(group: Any) -> tuple[int, ...] | None:
     return tuple(c10d.get_process_group_ranks(group))
 
 
+class _Binder:
+    """``inspect.Signature.bind_partial(...).arguments`` for the calls torch's entry points
+    get, by position: ``bind_partial`` was a sixth of a megatron layout built on fake ranks
+    (185 ``new_group`` calls a rank). Anything unusual (``*args``, a keyword naming a
+    positional-only or already given parameter) goes to ``bind_partial``."""
+
+    def __init__(self, sig: inspect.Signature) -> None:
+        kinds = inspect.Parameter
+        params = sig.parameters.values()
+        self.sig = sig
+        self.names = tuple(
+            p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+        )
+        self.keywords = frozenset(
+            p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+        )
+        self.plain = not any(p.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD) for p in params)
+
+    def __call__(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        given = self.names[: len(args)]
+        if (
+            self.plain
+            and len(args) <= len(self.names)
+            and self.keywords.issuperset(kwargs)
+            and kwargs.keys().isdisjoint(given)
+        ):
+            bound = dict(zip(given, args))
+            bound.update(kwargs)
+            return bound
+        try:
+            return dict(self.sig.bind_partial(*args, **kwargs).arguments)
+        except TypeError:
+            return {}
+
+
 def _describe(
-    kind: str, op: str, sig: inspect.Signature, args: tuple, kwargs: dict, site: Site | None
+    kind: str, op: str, binder: _Binder, args: tuple, kwargs: dict, site: Site | None
 ) -> Call:
-    try:
-        bound = sig.bind_partial(*args, **kwargs).arguments
-    except TypeError:
-        bound = {}
+    bound = binder(args, kwargs)
     try:
         if kind == "create":
             return _describe_creation(op, bound, site)
@@ -268,14 +300,14 @@ def _describe_creation(op: str, bound: dict, site: Site | None = None) -> Call:
 
 
 def _wrap(kind: str, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    sig = inspect.signature(original)
+    binder = _Binder(inspect.signature(original))
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sink = _current_sink()
         if sink is None or getattr(_tls, "depth", False):
             return original(*args, **kwargs)
-        call = _describe(kind, op, sig, args, kwargs, call_site(sys._getframe(1)))
+        call = _describe(kind, op, binder, args, kwargs, call_site(sys._getframe(1)))
         _tls.depth = 1
         try:
             sink.enter(call)
@@ -289,7 +321,7 @@ def _wrap(kind: str, op: str, original: Callable[..., Any]) -> Callable[..., Any
         observe = getattr(sink, "observe", None)
         if observe is not None:
             with contextlib.suppress(Exception):  # observing must never break the call
-                observe(call, sig.bind_partial(*args, **kwargs).arguments, result)
+                observe(call, binder(args, kwargs), result)
         return result
 
     wrapper.__meshsim_original__ = original  # type: ignore[attr-defined]

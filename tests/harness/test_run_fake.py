@@ -61,6 +61,32 @@ def test_the_recording_is_returned() -> None:
     ]
 
 
+def test_a_call_is_recorded_the_same_however_its_arguments_are_passed() -> None:
+    """The recorder binds arguments by position for speed: a group made by position and one
+    made by keyword are described alike, and a collective's group argument by position is
+    still read."""
+
+    def body() -> list[str]:
+        import torch
+        import torch.distributed as dist
+
+        made = [
+            dist.new_group([0, 1], None, None, None, False, "by_position"),
+            dist.new_group(ranks=[0, 1], group_desc="by_keyword"),
+        ]
+        dist.all_reduce(torch.ones(2), dist.ReduceOp.SUM, made[1])
+        return [dist.get_process_group_ranks(g) for g in made]
+
+    out = run(body, 2, "fake")
+    assert out[0] == [[0, 1], [0, 1]]
+    described = [(c.op, c.group, c.detail) for c in out.group_creations]
+    assert described == [
+        ("new_group", (0, 1), "desc='by_position'"),
+        ("new_group", (0, 1), "desc='by_keyword'"),
+    ]
+    assert [c.describe() for c in out.calls[1]] == ["all_reduce on group (0,1)"]
+
+
 def test_sampled_ranks_of_a_huge_world() -> None:
     def body() -> tuple:
         import torch.distributed as dist
