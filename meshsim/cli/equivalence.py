@@ -9,7 +9,8 @@ from typing import Any
 HELP = (
     "also train the data-flow recipe's tiny model on the N ranks and on one rank, from the "
     "same weights on the same global batch, and compare every gradient and parameter "
-    "(threaded/gloo only; the frameworks --dataflow covers)"
+    "(threaded/gloo only; the frameworks --dataflow covers); with --real, the framework's "
+    "own training step where meshsim runs it (torchtitan)"
 )
 
 
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace, world: int, config: Mapping[str, Any]) -> Any:
 def as_json(result: Any) -> dict[str, Any]:
     return {
         "passed": result.passed,
+        "step": result.step,
         "wiring": result.wiring,
         "seconds": round(result.seconds, 4),
         "error": result.error,
@@ -45,6 +47,7 @@ def as_json(result: Any) -> dict[str, Any]:
 def print_result(out: Any, result: Any) -> None:
     verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
     out.print(f"equivalence ({result.seconds:.2f} s): {verdict}")
+    out.print(f"trained: {result.step}", markup=False)
     detail = result.summary if result.passed else result.error
     if detail:
         out.print(detail, markup=False)

@@ -32,6 +32,8 @@ class RecipeEquivalence:
     error: str | None
     seconds: float
     summary: str = ""
+    #: What trained: meshsim's recipe on the framework's meshes, or the framework's own step.
+    step: str = "meshsim's recipe"
 
     @property
     def passed(self) -> bool:
@@ -59,8 +61,12 @@ def check_equivalence(
     """Train ``framework``'s recipe on ``world_size`` ranks and on one, and compare them."""
     from meshsim.dataflow.recipes import refuse
     from meshsim.model.conventions import expect
+    from meshsim.own_steps import own_step
     from meshsim.usage.serial import assert_matches_serial
 
+    own = own_step(framework) if real else None
+    if own is not None and wiring == "correct":
+        return _own_step_equivalence(own, framework, world_size, backend, timeout, config)
     refuse(framework, world_size, backend, wiring, real, config, what="the equivalence check")
     expected = expect(framework, world_size, **config)
     stages = _size(expected, "pipeline")
@@ -81,6 +87,42 @@ def check_equivalence(
     return RecipeEquivalence(
         framework, world_size, dict(config), backend, wiring, error,
         time.perf_counter() - start, summary,
+    )  # fmt: skip
+
+
+def _own_step_equivalence(
+    own: Any,
+    framework: str,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    config: Mapping[str, Any],
+) -> RecipeEquivalence:
+    """The framework's own step (``meshsim.own_steps``) on N ranks against its serial twin."""
+    from meshsim.builders.real import unavailable
+    from meshsim.usage.serial import BACKENDS, assert_matches_serial
+
+    if backend not in BACKENDS:
+        raise UsageError(
+            f"the equivalence check needs real collectives, not backend {backend!r}; use "
+            "--backend threaded or gloo"
+        )
+    reason = unavailable(framework) or own.refusal(world_size, config)
+    if reason is not None:
+        raise UsageError(reason)
+    start = time.perf_counter()
+    error, summary = None, ""
+    try:
+        result = assert_matches_serial(
+            own.step(config), world_size, framework, backend=backend, batch=own.batch,
+            timeout=timeout, **config,
+        )  # fmt: skip
+        summary = str(result).split(": ", 1)[1]
+    except (SerialMismatch, RankFailure, RankTimeout) as exc:
+        error = str(exc)
+    return RecipeEquivalence(
+        framework, world_size, dict(config), backend, "correct", error,
+        time.perf_counter() - start, summary, step=own.WHAT_RUNS,
     )  # fmt: skip
 
 

@@ -1,0 +1,218 @@
+"""torchtitan 0.3.0's own training step, on N ranks and alone, for the equivalence check.
+
+What runs is the trainer's step (``torchtitan.trainer.Trainer.__init__`` and ``train_step``)
+without the tokenizer, data loader, checkpointer and metrics: ``ParallelDims.from_config``
+and ``build_mesh``; the llama3 debug model; torchtitan's ``parallelize_llama`` (FSDP / HSDP,
+TP with sequence parallelism); the loss its config builds (``ChunkedLossWrapper`` over cross
+entropy) normalised by the global count of valid tokens (``dist_sum_tensor`` over the batch
+mesh); ``clip_grad_norm_``; its AdamW and LR schedule. The serial twin is the same config with
+every degree 1.
+
+Two choices keep the comparison exact, and neither changes what is checked:
+
+* the model is built and ``init_weights``-ed on CPU in full, then parallelized, so every rank
+  and the twin start from the same weights (torchtitan's own meta-device path initialises
+  DTensor shards from an RNG stream that depends on the rank count on CPU);
+* each rank takes its rows of the global batch as torchtitan's loader would: the
+  ``batch`` mesh's size and local rank pick the rows.
+
+torchtitan's accelerator-only pieces are replaced by CPU computations of the same numbers
+(:mod:`meshsim.own_steps.torchtitan_cpu` says each and why). ``before``, when given, runs on
+each rank (and in the twin) before anything is built: tests plant bugs there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from meshsim.errors import UsageError
+
+GLOBAL_BATCH = 4
+SEQUENCE = 64
+VOCABULARY = 2048  # the llama3 debug model's vocab_size
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+#: torchtitan's ``ParallelismConfig`` field -> the ``ParallelDims`` attribute holding it.
+PARALLELISM_FIELDS = {
+    "data_parallel_replicate_degree": "dp_replicate",
+    "data_parallel_shard_degree": "dp_shard",
+    "context_parallel_degree": "cp",
+    "tensor_parallel_degree": "tp",
+    "pipeline_parallel_degree": "pp",
+    "expert_parallel_degree": "ep",
+    "spmd_backend": "spmd_backend",
+}
+
+WHAT_RUNS = (
+    "torchtitan's own llama3 debug-model step: parallelize_llama, ChunkedLossWrapper loss "
+    "over the global valid-token count, clip_grad_norm_, AdamW"
+)
+
+
+def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
+    """Why this step does not run ``config`` (None: it does)."""
+    if config.get("version", "current") != "current":
+        version = config["version"]
+        return f"torchtitan's own step runs torchtitan 0.3.0 (version 'current'), not {version!r}"
+    for key, why in (
+        ("pp", "its pipeline schedules are not run yet"),
+        ("cp", "its context parallelism needs SDPA/flex CP kernels that are not run on CPU yet"),
+        ("ep", "the llama3 debug model is dense (no experts); the MoE step is not run yet"),
+    ):
+        if int(config.get(key, 1)) > 1:
+            return f"torchtitan's own step with {key}>1: {why}"
+    if config.get("etp") not in (None, 1):
+        return "torchtitan's own step: etp needs experts, which the llama3 debug model lacks"
+    return _spmd_types_refusal(world_size, config)
+
+
+def _spmd_types_refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
+    """torchtitan 0.3.0's default ``spmd_backend='spmd_types'`` hands ``fully_shard`` plain
+    parameters annotated with spmd_types; torch's FSDP2 learned to take those in 2.15
+    (pytorch#187394). Earlier, ``fully_shard`` raises "all parameters must be DTensors on the
+    full SPMD mesh" for any mesh of more than one rank: a real run on this torch fails so too."""
+    from meshsim.torch_private import torch_version
+
+    backend = config.get("spmd_backend") or "spmd_types"
+    if backend != "spmd_types" or world_size == 1 or torch_version() >= (2, 15):
+        return None
+    version = ".".join(map(str, torch_version()))
+    return (
+        f"torchtitan 0.3.0's spmd_backend='spmd_types' (its default) needs torch >= 2.15: "
+        f"torch {version}'s fully_shard raises 'all parameters must be DTensors on the full "
+        "SPMD mesh' for its plain, annotated parameters (pytorch/pytorch#187394 added them); "
+        "use --spmd-backend partial_dtensor or full_dtensor, or torch 2.15"
+    )
+
+
+def batch(step: int) -> Any:
+    """A step's global batch: token ids, inputs and labels shifted by one."""
+    import torch
+
+    return torch.randint(0, VOCABULARY, (GLOBAL_BATCH, SEQUENCE + 1), dtype=torch.int64)
+
+
+def step(
+    config: Mapping[str, Any], before: Callable[[], None] | None = None
+) -> Callable[[Any], Any]:
+    """The step function for :func:`meshsim.assert_matches_serial`."""
+    return functools.partial(_step, dict(config), before)
+
+
+def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -> Any:
+    import torch
+
+    from meshsim.builders.real import torchtitan as adapter
+    from meshsim.builders.real._shims import register_fake_backend
+    from meshsim.own_steps import torchtitan_cpu as cpu
+
+    cpu.stub_triton_kernels()
+    cpu.cpu_device()
+    cpu.eager_attention()
+    cpu.quiet()
+    register_fake_backend()
+    if before is not None:
+        before()
+
+    import spmd_types
+    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
+    from torchtitan.distributed import full_dtensor
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from torchtitan.tools import utils
+
+    dims_config = {**config, **dict.fromkeys(DEGREES, 1)} if ctx.serial else config
+    parallel_dims = adapter.parallel_dims(ctx.world_size, dims_config)
+    parallel_dims.build_mesh()
+    trainer = llama3_debugmodel()
+    par = trainer.parallelism
+    # The trainer's parallelism config, as ParallelDims resolved it (a -1 degree inferred).
+    for field, dim in PARALLELISM_FIELDS.items():
+        setattr(par, field, getattr(parallel_dims, dim))
+    trainer.training.seq_len = SEQUENCE
+    trainer.training.mixed_precision_param = "float32"  # compared in float32, not bfloat16
+    trainer.training.dtype = "float32"
+    dist_utils.set_spmd_backend(par.spmd_backend)
+
+    if parallel_dims.dp_enabled:
+        batch_mesh = parallel_dims.get_mesh("batch")
+        batch_size, batch_rank = batch_mesh.size(), batch_mesh.get_local_rank()
+    else:
+        batch_mesh, batch_size, batch_rank = None, 1, 0
+    if GLOBAL_BATCH % batch_size:
+        raise UsageError(f"a global batch of {GLOBAL_BATCH} does not split over {batch_size} ranks")
+    rows = GLOBAL_BATCH // batch_size
+    trainer.training.local_batch_size = rows
+
+    model_config = trainer.model_spec.model
+    model_config.update_from_config(config=trainer)
+    torch.manual_seed(ctx.seed)
+    with torch.device("cpu"), utils.set_default_dtype(torch.float32):
+        model = model_config.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model = trainer.model_spec.parallelize_fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=trainer.training,
+        parallelism=par,
+        compile_config=trainer.compile,
+        ac_config=trainer.activation_checkpoint,
+        dump_folder=trainer.dump_folder,
+    )
+    model.train()
+    cpu.sum_reduction(model)
+
+    loss_fn = trainer.loss.build(compile_config=trainer.compile)
+    if isinstance(loss_fn, ChunkedLossWrapper):
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+    optimizers = trainer.optimizer.build(model_parts=[model])
+    schedulers = trainer.lr_scheduler.build(
+        optimizers=optimizers, training_steps=trainer.training.steps
+    )
+    context = dist_utils.get_spmd_context(
+        parallel_dims=parallel_dims,
+        spmd_typechecking=par.spmd_backend == "spmd_types" and trainer.debug.spmd_typechecking,
+    )
+    for i in range(ctx.steps):
+        optimizers.zero_grad()
+        tokens = ctx.batch(i)[batch_rank * rows : (batch_rank + 1) * rows]
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        positions = torch.arange(SEQUENCE, dtype=torch.int64).expand(rows, SEQUENCE).contiguous()
+        valid = (labels != IGNORE_INDEX).sum()
+        if batch_mesh is not None:
+            valid = dist_utils.dist_sum_tensor(valid, batch_mesh)
+        extra: dict[str, Any] = {"positions": positions}
+        extra["attention_masks"] = model.get_attention_masks(positions=positions)
+        if par.spmd_backend == "full_dtensor":
+            inputs, labels, extra = full_dtensor.parallelize_inputs(
+                parallel_dims, inputs, labels, extra
+            )
+        elif par.spmd_backend == "spmd_types":
+            inputs, labels, extra = annotate_input_spmd_types(parallel_dims, inputs, labels, extra)
+        with context():
+            loss, _ = loss_fn(model(inputs, **extra), labels, valid, positions=extra["positions"])
+            with spmd_types.no_typecheck():
+                loss.backward()
+        grad_norm = dist_utils.clip_grad_norm_(
+            list(model.parameters()),
+            trainer.training.max_norm,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=parallel_dims.ep_enabled,
+        )
+        # The trainer logs the loss summed over the loss mesh, as a float computed in float32.
+        logged = loss.detach()
+        if parallel_dims.dp_cp_enabled:
+            logged = dist_utils.dist_sum(logged, parallel_dims.get_optional_mesh("loss"))
+        ctx.record(
+            model,
+            loss=torch.tensor(float(logged), dtype=torch.float32),
+            grad_norm=grad_norm,
+        )
+        optimizers.step()
+        schedulers.step()
+    return model
