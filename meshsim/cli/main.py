@@ -14,7 +14,7 @@ from meshsim import options
 from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
 from meshsim.cli import equivalence as equivalence_cli
-from meshsim.cli import outputs
+from meshsim.cli import outputs, sweep_equivalence
 from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
 
 VERBS = ("show", "diff", "verify", "sweep", "meshes", "list")
@@ -327,6 +327,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="write a JUnit XML report (also on Ctrl-C or SIGTERM, with an 'interrupted' error)",
     )
     sweep.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
+    sweep_equivalence.add_flag(sweep)
     sweep.add_argument(
         "--jobs",
         "-j",

@@ -27,6 +27,7 @@ from rich.progress import (
 )
 
 from meshsim.cli import render
+from meshsim.cli import sweep_equivalence as stepping
 from meshsim.cli import sweep_plan as planning
 from meshsim.cli import sweep_report as reports
 from meshsim.cli.placement import (
@@ -120,6 +121,7 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
     if args.frameworks:
         args.frameworks = list(dict.fromkeys(args.frameworks))  # --framework F twice: once
     _default_backend(args)
+    stepping.check_args(args)
     out = render.console(stderr=args.json == "-")
     if args.real:
         args.frameworks = real_frameworks(args.frameworks, out)
@@ -138,6 +140,8 @@ def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:
     try:
         with _progress(render.console(stderr=True), started) as progress:
             finished = sweep.run(progress)
+            if finished and args.equivalence:
+                finished = stepping.run(args, outcomes, progress, sweep._stopping)
     finally:
         if finished:
             workers.close(stop.is_set)
@@ -361,6 +365,7 @@ def _print(out: Any, report: Report) -> None:
     reports.summary_table(out, report)
     reports.print_findings(out, report)
     print_placement(out, report)
+    stepping.print_summary(out, report.outcomes)
     failures = [o for o in report.outcomes if not o.passed]
     for o in failures[:10]:
         where = f" (crossing nodes: {crossing_words(o.placed)})" if o.placed else ""

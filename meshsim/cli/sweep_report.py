@@ -44,6 +44,9 @@ class Outcome:
     #: The layout that builds the same groups and proves them live, where this one is built on
     #: a few fake ranks only (``meshsim.cli.sweep_plan``); None when it is proven itself.
     shares: Outcome | None = None
+    #: ``--equivalence``: its training step against the serial twin (a ``StepVerdict``); None
+    #: when not asked, or when its groups failed.
+    step: Any = None
 
     @property
     def left_out(self) -> bool:
@@ -52,7 +55,8 @@ class Outcome:
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.results.values()) and self.agree
+        groups = all(r.passed for r in self.results.values()) and self.agree
+        return groups and (self.step is None or self.step.passed)
 
     @property
     def agree(self) -> bool:
@@ -62,7 +66,8 @@ class Outcome:
 
     @property
     def seconds(self) -> float:
-        return float(sum(r.seconds for r in self.results.values()))
+        stepped = self.step.result.seconds if self.step is not None and self.step.result else 0
+        return float(sum(r.seconds for r in self.results.values()) + stepped)
 
     def message(self) -> str:
         lines = []
@@ -81,6 +86,8 @@ class Outcome:
                 if printed.strip():
                     lines.append(f"[{tier}] what the framework printed while building it:")
                     lines.append(tail(printed))
+        if self.step is not None and not self.step.passed:
+            lines.append(f"[equivalence] {self.step.result.error}")
         return "\n".join(lines)
 
 
@@ -353,6 +360,7 @@ def _outcome_json(o: Outcome, built: bool) -> dict[str, Any]:
         "crosses_nodes": None if o.placed is None else list(o.placed.crossing),
         "roles_crossing_nodes": None if o.placed is None else list(o.placed.roles),
         "tiers": {tier: {**result_json(r), "ranks": _ranks(r)} for tier, r in o.results.items()},
+        "equivalence": None if o.step is None else o.step.as_json(),
     }
 
 

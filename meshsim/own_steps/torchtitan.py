@@ -29,7 +29,7 @@ from typing import Any
 
 from meshsim.errors import UsageError
 
-GLOBAL_BATCH = 4
+GLOBAL_BATCH = 8  # rows: splits over a batch mesh of 1, 2, 4 or 8 ranks
 SEQUENCE = 64
 VOCABULARY = 2048  # the llama3 debug model's vocab_size
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
@@ -57,7 +57,7 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
         return f"torchtitan's own step runs torchtitan 0.3.0 (version 'current'), not {version!r}"
     for key, why in (
         ("pp", "its pipeline schedules are not run yet"),
-        ("cp", "its context parallelism needs SDPA/flex CP kernels that are not run on CPU yet"),
+        ("cp", "the step does not yet shard its inputs over cp as torchtitan's trainer does"),
         ("ep", "the llama3 debug model is dense (no experts); the MoE step is not run yet"),
     ):
         if int(config.get(key, 1)) > 1:
@@ -142,7 +142,10 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
     else:
         batch_mesh, batch_size, batch_rank = None, 1, 0
     if GLOBAL_BATCH % batch_size:
-        raise UsageError(f"a global batch of {GLOBAL_BATCH} does not split over {batch_size} ranks")
+        raise UsageError(
+            f"torchtitan's own step: a global batch of {GLOBAL_BATCH} rows does not split over "
+            f"a batch mesh of {batch_size} ranks"
+        )
     rows = GLOBAL_BATCH // batch_size
     trainer.training.local_batch_size = rows
 

@@ -118,7 +118,12 @@ def _own_step_equivalence(
             timeout=timeout, **config,
         )  # fmt: skip
         summary = str(result).split(": ", 1)[1]
-    except (SerialMismatch, RankFailure, RankTimeout) as exc:
+    except RankFailure as exc:
+        refusal = _recipe_refusal(exc)
+        if refusal is not None:
+            raise UsageError(refusal) from None
+        error = str(exc)
+    except (SerialMismatch, RankTimeout) as exc:
         error = str(exc)
     return RecipeEquivalence(
         framework, world_size, dict(config), backend, "correct", error,
@@ -127,8 +132,8 @@ def _own_step_equivalence(
 
 
 def _recipe_refusal(error: RankFailure) -> str | None:
-    """The recipe's own refusal (every failing rank raised ``UsageError``: a layout the recipe
-    does not train), which is no finding about the step."""
+    """The step's own refusal (every failing rank raised ``UsageError``: a layout the recipe or
+    own step does not train), which is no finding about the step."""
     failures = error.failures
     if failures and all(o.error_type == "UsageError" for o in failures):
         return str(failures[0].error_message)
