@@ -1,17 +1,31 @@
-"""Private temp dirs, file stores and hash stores: rendezvous without any TCP port.
+"""Private temp dirs and the stores ranks meet through.
 
 Every dir is a fresh ``tempfile.mkdtemp`` named ``meshsim-<pid>-<what>-...`` so parallel
 pytest-xdist workers (and parallel jobs) never share a path, and a test can check that its
 own process left nothing behind.
+
+A gloo world's store is a ``TCPStore`` that rank 0 serves on a port the OS picks, bound to
+127.0.0.1 only (:func:`world_store`): torch's ``FileStore`` polls every 10 ms while it waits,
+and every group a rank creates waits on its peers' keys, so a warm world-2 test spent half
+its time in those sleeps. Where a TCP store cannot be served, the world falls back to a
+``FileStore`` in its directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import tempfile
 import time
+from datetime import timedelta
 from typing import Any
+
+from meshsim.errors import MeshsimError
+
+#: The file in a world's directory that tells ranks 1.. where rank 0 serves the store.
+WORLD_PORT_FILE = "store-port"
 
 
 def prefix(what: str) -> str:
@@ -84,6 +98,69 @@ def file_store(job_dir: str, world_size: int) -> Any:
     import torch.distributed as dist
 
     return dist.FileStore(file_store_path(job_dir), world_size)
+
+
+def world_store(world_dir: str, rank: int, world_size: int, timeout_s: float) -> Any:
+    """The store of a gloo world: rank 0 serves a ``TCPStore`` on 127.0.0.1 and writes its port
+    to the world's directory; the other ranks read it (waiting up to ``timeout_s``) and connect.
+    If rank 0 cannot serve one (or env ``MESHSIM_WORLD_STORE=file`` asks), it writes ``file``
+    there and every rank uses a ``FileStore``."""
+    import torch.distributed as dist
+
+    path = os.path.join(world_dir, WORLD_PORT_FILE)
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store, port = None, "file"
+        if os.environ.get("MESHSIM_WORLD_STORE", "tcp") != "file":
+            with contextlib.suppress(Exception):  # any refusal: the file store always works
+                store, port = _serve(world_size, timeout)
+        _write_atomically(path, str(port))
+        return store if store is not None else file_store(world_dir, world_size)
+    port = _read_when_written(path, timeout_s)
+    if port == "file":
+        return file_store(world_dir, world_size)
+    return dist.TCPStore("127.0.0.1", int(port), world_size, False, timeout)
+
+
+def _serve(world_size: int, timeout: timedelta) -> tuple[Any, int]:
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, True, timeout,
+            wait_for_workers=False, master_listen_fd=listener.fileno(),
+        )  # fmt: skip
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the listening socket now
+    return store, port
+
+
+def _write_atomically(path: str, text: str) -> None:
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
+def _read_when_written(path: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise MeshsimError(
+                    f"rank 0 did not start the world's store within {timeout_s:g} s "
+                    f"({path} was never written)"
+                ) from None
+            time.sleep(0.002)
 
 
 def hash_store() -> Any:

@@ -303,7 +303,9 @@ class Worker:
         if self.world is not None and self.world.id != spec["world_id"]:
             self.drop_world()
         if self.world is None:
-            base = rendezvous.file_store(spec["world_dir"], spec["world_size"])
+            base = rendezvous.world_store(
+                spec["world_dir"], spec["rank"], spec["world_size"], spec["timeout"] + 30
+            )
         else:
             base = self.world.store
         self.job_base = base

@@ -223,3 +223,44 @@ def test_an_environment_variable_the_body_sets_still_retires_the_worker() -> Non
     second = run(world_age, 2, "gloo", timeout=60)
     assert not {pid for pid, _ in second} & {pid for pid, _ in first}
     assert "MESHSIM_TEST_LEFT_BEHIND" not in os.environ
+
+
+def world_store() -> tuple[str, int | None, list[str]]:
+    """The world's store under the job's prefixes, its port, and where that port listens."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    store = c10d._world.pg_map[c10d._get_default_group()][1]
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    port = getattr(store, "port", None)
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if port is None or not os.path.exists(table):
+            continue
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    listening.append(address)
+    return type(store).__name__, port, listening
+
+
+def test_the_world_store_is_served_on_loopback_only() -> None:
+    """A TCP store (a FileStore polls every 10 ms while waiting), served by rank 0 on
+    127.0.0.1 only: the machine's rule for any server meshsim starts."""
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("needs /proc/net/tcp (Linux) to see where the store listens")
+    seen = run(world_store, 2, "gloo")
+    kind, port, listening = seen[0]
+    assert kind == "TCPStore" and port and seen[1][:2] == (kind, port)
+    assert listening == ["0100007F"], listening  # 127.0.0.1, and nothing else (no ::)
+
+
+def test_a_file_store_world_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MESHSIM_WORLD_STORE=file`` (and rank 0 failing to serve a TCP store) fall back to a
+    FileStore in the world's directory; the run behaves the same."""
+    monkeypatch.setenv("MESHSIM_WORLD_STORE", "file")
+    assert [s[0] for s in run(world_store, 2, "gloo")] == ["FileStore", "FileStore"]
+    assert [r[:3] for r in run(groups_seen, 2, "gloo")] == [(1, "1", 2.0)] * 2
