@@ -10,7 +10,7 @@ HELP = (
     "also train the data-flow recipe's tiny model on the N ranks and on one rank, from the "
     "same weights on the same global batch, and compare every gradient and parameter "
     "(threaded/gloo only; the frameworks --dataflow covers); with --real, the framework's "
-    "own training step where meshsim runs it (torchtitan)"
+    "own training step where meshsim runs it (torchtitan, olmo-core)"
 )
 
 

@@ -13,7 +13,10 @@ import importlib
 from types import ModuleType
 
 #: framework -> module of its own step.
-STEPS = {"torchtitan": "meshsim.own_steps.torchtitan"}
+STEPS = {
+    "torchtitan": "meshsim.own_steps.torchtitan",
+    "olmo-core": "meshsim.own_steps.olmo_core",
+}
 
 
 def own_step(framework: str) -> ModuleType | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,9 @@ class Finding:
     name: str
     ranks: tuple[int, ...]
     line: str
+
+
+NO_RATIO = "a scale that is no ratio of group sizes (a loss scale or learning rate differs?)"
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,7 @@ def _explain_ratio(r: float, kinds: Kinds) -> str:
                 "the local one was needed?)"
             )
         return f"divided by a count {down}x too large"
-    return "a scale that is no ratio of group sizes (a loss scale or learning rate differs?)"
+    return NO_RATIO
 
 
 def _over_kind(
@@ -403,6 +406,11 @@ def compare(
             if not holders:
                 if section != "values":
                     line = f"`{name}` ({section}) is in the serial step but no rank recorded it"
+                    if section == "grads":
+                        line += (
+                            ": no rank's parameter had a gradient (not reached by the loss, "
+                            "or not the tensor the model trains with)"
+                        )
                     findings.append(Finding(section, step, name, (), line))
                 continue
             full = full_captured.array
@@ -434,4 +442,42 @@ def compare(
             drift = _drift(section, step, steps, name, holders, tol)
             if drift is not None and section != "values":
                 findings.append(Finding(section, step, name, tuple(sorted(holders)), drift))
+    findings = _point_to_logged_ratios(findings)
     return Comparison(tuple(findings), compared, steps, worst if math.isfinite(worst) else 0.0)
+
+
+#: What a gradient finding says when nothing in the numbers named a cause.
+_WEAK = (
+    NO_RATIO,
+    "a member missing from a reduction (a partial sum), a different batch, or different weights",
+)
+
+
+def _point_to_logged_ratios(findings: list[Finding]) -> list[Finding]:
+    """A gradient whose numbers name no cause, at a step where a logged value names one, says
+    so. Gradient clipping hides the cause in the gradients: it rescales a gradient a wrong
+    loss scale made 2x to some other factor, and a norm computed from each rank's own shards
+    rescales each rank differently; the logged loss or norm still shows it."""
+    pointers: dict[int, str] = {}
+    for f in findings:
+        if f.section != "values" or f.step in pointers:
+            continue
+        what = f.line.split(" on ", 1)[0].removeprefix("logged ")  # "`loss` at step 1"
+        if "that differs between ranks" in f.line:
+            pointers[f.step] = (
+                f"the logged {what} differs between ranks: a clipping norm from each rank's "
+                "own shards rescales each rank's gradients differently"
+            )
+        elif " the serial one: " in f.line and NO_RATIO not in f.line:
+            ratio = f.line.split(" is ", 1)[1].split(" the serial one", 1)[0]  # "2x"
+            pointers[f.step] = (
+                f"but the logged {what} is {ratio} the serial one, a clean ratio: gradient "
+                "clipping rescales a gradient that a wrong loss scale or token count scaled"
+            )
+    pointed = []
+    for f in findings:
+        weak = next((w for w in _WEAK if f.line.endswith(w)), None)
+        if f.section == "grads" and weak is not None and f.step in pointers:
+            f = replace(f, line=f"{f.line}; {pointers[f.step]}")
+        pointed.append(f)
+    return pointed

@@ -109,12 +109,12 @@ def test_a_loss_normalised_over_the_wrong_dims_is_named() -> None:
     with pytest.raises(SerialMismatch) as info:
         _own_step(2, FSDP2, before=_loss_over_local_tokens)
     lines = [f.line for f in info.value.comparison.findings]
-    # The gradients are 2x before torchtitan's clipping (max_norm 1.0) rescales them to a
-    # norm of 1, so they come out a scale that is no ratio of group sizes; the logged loss
-    # says what happened.
-    assert lines[0].startswith("grad of `tok_embeddings.weight` at step 1 on ranks 0, 1 is "), (
-        lines[0]
-    )
+    # The gradients are 2x before torchtitan's clipping (max_norm 1.0) rescales them, so they
+    # come out a scale that is no ratio of group sizes; the first line points at the logged
+    # loss, which says what happened.
+    first = lines[0]
+    assert first.startswith("grad of `tok_embeddings.weight` at step 1 on ranks 0, 1"), first
+    assert "but the logged `loss` at step 1 is 2x the serial one, a clean ratio" in first
     loss = [line for line in lines if line.startswith("logged `loss` at step 1 on ranks 0, 1")]
     assert loss and "is 2x the serial one" in loss[0] and "a count 2x too small" in loss[0]
 
