@@ -153,14 +153,11 @@ class Comparison:
         if rank == self._ref_rank:
             self._ref.extend(zip(range(step, step + len(calls)), calls))
             return
-        k = self._index
-        if self._diverged or k + len(calls) > len(self._ref):
-            for offset, call in enumerate(calls):
-                self.creation(rank, step + offset, call)
-            return
-        ref = [c for _, c in self._ref[k : k + len(calls)]]
-        if ref == list(calls):  # ``==`` is stricter than ``_key``: equal means no divergence
-            self._index += len(calls)
+        k, n = self._index, len(calls)
+        # ``==`` is stricter than ``_key``: equal calls mean no divergence.
+        same = not self._diverged and k + n <= len(self._ref)
+        if same and [c for _, c in self._ref[k : k + n]] == list(calls):
+            self._index += n
             return
         for offset, call in enumerate(calls):
             self.creation(rank, step + offset, call)

@@ -154,15 +154,14 @@ def _parallel_configs(config: Mapping[str, Any], serial: bool) -> tuple[Any, Any
 
 
 def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -> Any:
-    import logging
-
     import torch
 
     from meshsim.builders.real import _shims
+    from meshsim.dataflow import recipes
 
     _shims.load("olmo_core", "olmo_core.train.train_module.transformer.train_module")
     _stand_ins()
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    recipes._quiet()
     if before is not None:
         before()
 

@@ -76,7 +76,9 @@ def quiet() -> None:
     logs to), and DTensor's note that two sequential all-reduces could be one."""
     import logging
 
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    from meshsim.dataflow import recipes
+
+    recipes._quiet()
     root = logging.getLogger()
     if not any(isinstance(f, _NoCheckpointNotice) for f in root.filters):
         root.addFilter(_NoCheckpointNotice())

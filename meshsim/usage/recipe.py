@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,22 +72,12 @@ def check_equivalence(
     stages = _size(expected, "pipeline")
     data_size = _size(expected, "data_parallel")
     step = functools.partial(_train, framework, dict(config), real, wiring, stages, data_size)
-    start = time.perf_counter()
-    error, summary = None, ""
-    try:
-        result = assert_matches_serial(step, world_size, expected, backend=backend, timeout=timeout)
-        summary = str(result).split(": ", 1)[1]
-    except RankFailure as exc:
-        refusal = _recipe_refusal(exc)
-        if refusal is not None:
-            raise UsageError(refusal) from None
-        error = str(exc)
-    except (SerialMismatch, RankTimeout) as exc:
-        error = str(exc)
+    error, summary, seconds = _judged(
+        lambda: assert_matches_serial(step, world_size, expected, backend=backend, timeout=timeout)
+    )
     return RecipeEquivalence(
-        framework, world_size, dict(config), backend, wiring, error,
-        time.perf_counter() - start, summary,
-    )  # fmt: skip
+        framework, world_size, dict(config), backend, wiring, error, seconds, summary
+    )
 
 
 def _own_step_equivalence(
@@ -110,25 +100,32 @@ def _own_step_equivalence(
     reason = unavailable(framework) or own.refusal(world_size, config)
     if reason is not None:
         raise UsageError(reason)
+    step = own.step(config)
+    error, summary, seconds = _judged(
+        lambda: assert_matches_serial(
+            step, world_size, framework, backend=backend, batch=own.batch, timeout=timeout, **config
+        )
+    )
+    return RecipeEquivalence(
+        framework, world_size, dict(config), backend, "correct", error, seconds, summary,
+        step=own.WHAT_RUNS,
+    )  # fmt: skip
+
+
+def _judged(compare: Callable[[], Any]) -> tuple[str | None, str, float]:
+    """(error, summary, seconds) of one serial comparison. A step's own refusal on every rank
+    (``UsageError``) is raised as one: it is no finding about the step."""
     start = time.perf_counter()
-    error, summary = None, ""
     try:
-        result = assert_matches_serial(
-            own.step(config), world_size, framework, backend=backend, batch=own.batch,
-            timeout=timeout, **config,
-        )  # fmt: skip
-        summary = str(result).split(": ", 1)[1]
+        summary = str(compare()).split(": ", 1)[1]
     except RankFailure as exc:
         refusal = _recipe_refusal(exc)
         if refusal is not None:
             raise UsageError(refusal) from None
-        error = str(exc)
+        return str(exc), "", time.perf_counter() - start
     except (SerialMismatch, RankTimeout) as exc:
-        error = str(exc)
-    return RecipeEquivalence(
-        framework, world_size, dict(config), backend, "correct", error,
-        time.perf_counter() - start, summary, step=own.WHAT_RUNS,
-    )  # fmt: skip
+        return str(exc), "", time.perf_counter() - start
+    return None, summary, time.perf_counter() - start
 
 
 def _recipe_refusal(error: RankFailure) -> str | None:
