@@ -73,10 +73,19 @@ def run(
     stopping: Callable[[], bool],
 ) -> bool:
     """Each passing outcome's step, into ``outcome.step``; True when all were tried."""
-    from meshsim.usage.recipe import check_equivalence
+    from meshsim.usage.recipe import check_equivalence, equivalence_refusal
 
     tier = backend(args)
-    todo = [o for o in outcomes if o.results and o.passed]
+    todo = []
+    for outcome in (o for o in outcomes if o.results and o.passed):
+        case = outcome.case
+        reason = equivalence_refusal(
+            case.framework, case.world_size, tier, real=args.real, **case.config
+        )
+        if reason is None:
+            todo.append(outcome)
+        else:  # known without a rank: not counted in the progress or its estimate
+            outcome.step = StepVerdict(refused=reason)
     label = f"equivalence ({tier})"
     progress.start(label, len(todo))
     for outcome in todo:

@@ -352,11 +352,14 @@ def train_on_rank(
 
 
 def _quiet() -> None:
-    """Silence the two notices the tiny model triggers on every rank (not problems here)."""
+    """Silence the notices the tiny models trigger on every rank (not problems here): FSDP2's
+    on a module called outside ``forward``, DTensor's that its random ops on a CPU mesh may be
+    incomplete (the own steps initialise full weights and compare them, so a gap would show)."""
     import logging
     import warnings
 
     warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
+    warnings.filterwarnings("ignore", "DTensor random operators may not", UserWarning)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 

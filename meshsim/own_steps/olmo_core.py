@@ -1,10 +1,11 @@
 """OLMo-core 3.0.0's own training step, on N ranks and alone, for the equivalence check.
 
 What runs is what ``olmo_core.train.Trainer`` runs per step, with OLMo's own objects:
-``TransformerConfig.olmo2_1M`` (vocab 2048) built on ``meta``; ``TransformerTrainModuleConfig
-.build``, which builds OLMo's world mesh, parallelizes the model (``apply_tp`` /
-``apply_fsdp`` / ``apply_ddp``), initialises the weights and builds ``SkipStepAdamW``; then per
-step ``train_batch`` (micro-batches of 2 rows: gradient accumulation), ``optim_step``
+``TransformerConfig.olmo2_1M`` (vocab 2048, 8 heads so that TP up to 8 splits them) built on
+``meta``; ``TransformerTrainModuleConfig.build``, which builds OLMo's world mesh,
+parallelizes the model (``apply_tp`` / ``apply_fsdp`` / ``apply_ddp``), initialises the
+weights and builds ``SkipStepAdamW``; then per step ``train_batch`` (micro-batches of 2 rows,
+1 where 8 data-parallel ranks share the 8 rows: gradient accumulation), ``optim_step``
 (OLMo's gradient clipping at ``max_grad_norm`` 0.5, which clips here, the cosine schedule,
 the update) and ``zero_grads``. The serial twin is the same config without a data- or
 tensor-parallel config, on one rank.
@@ -37,8 +38,9 @@ from typing import Any
 GLOBAL_BATCH = 8  # rows: splits over a data-parallel group of 1, 2, 4 or 8 ranks
 SEQUENCE = 64
 VOCABULARY = 2048
-MICROBATCH_ROWS = 2
+MICROBATCH_ROWS = 2  # at most: a data-parallel group of 8 takes one row each
 MAX_GRAD_NORM = 0.5
+HEADS = 8  # olmo2_1M has 4; 8 lets its heads split over a tensor-parallel group of 8
 
 WHAT_RUNS = (
     "OLMo-core's own train-module step: TransformerTrainModule.train_batch (its loss, "
@@ -175,11 +177,15 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
     from meshsim.errors import UsageError
 
     dp_config, tp_config = _parallel_configs(config, ctx.serial)
-    model = TransformerConfig.olmo2_1M(vocab_size=VOCABULARY, init_seed=ctx.seed).build(
-        init_device="meta"
-    )
+    # The train module's data-parallel group is every rank outside the TP group (cp and pp are
+    # refused); OLMo requires the global batch to split into micro-batches on each of them.
+    tp_size = 1 if tp_config is None else tp_config.degree
+    rows = GLOBAL_BATCH // max(1, ctx.world_size // tp_size)
+    model = TransformerConfig.olmo2_1M(
+        vocab_size=VOCABULARY, n_heads=HEADS, init_seed=ctx.seed
+    ).build(init_device="meta")
     train_module = TransformerTrainModuleConfig(
-        rank_microbatch_size=MICROBATCH_ROWS * SEQUENCE,
+        rank_microbatch_size=max(1, min(MICROBATCH_ROWS, rows)) * SEQUENCE,
         max_sequence_length=SEQUENCE,
         optim=SkipStepAdamWConfig(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95)),
         max_grad_norm=MAX_GRAD_NORM,

@@ -348,9 +348,12 @@ def _drift(
         apart = [r for r in ranks[1:] if not _close(holders[r].array, first, tol)]
         if apart:
             agree = [r for r in ranks if r not in apart]
+            other = holders[apart[0]].array
+            alike = all(_close(holders[r].array, other, tol) for r in apart[1:])
             return (
                 f"{_subject(section, name, step, steps)} differs between replicas: "
-                f"{format_ranks(agree)} hold one value, {format_ranks(apart)} another "
+                f"{format_ranks(agree)} {'holds' if len(agree) == 1 else 'hold'} one value, "
+                f"{format_ranks(apart)} {'another' if alike else 'others, not all the same'} "
                 "(replicas drift apart: a gradient reduced over too small a group, or a "
                 "different update on some ranks)"
             )

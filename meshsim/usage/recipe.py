@@ -80,17 +80,31 @@ def check_equivalence(
     )
 
 
-def _own_step_equivalence(
-    own: Any,
-    framework: str,
-    world_size: int,
-    backend: str,
-    timeout: float,
-    config: Mapping[str, Any],
-) -> RecipeEquivalence:
-    """The framework's own step (``meshsim.own_steps``) on N ranks against its serial twin."""
+def equivalence_refusal(
+    framework: str, world_size: int, backend: str, *, real: bool = False, **config: Any
+) -> str | None:
+    """Why :func:`check_equivalence` would not train this layout, known before any rank runs
+    (None: it will try; a rank may still refuse). A sweep asks first, so that its progress
+    and estimate count only the layouts that train."""
+    from meshsim.dataflow.recipes import refuse
+    from meshsim.own_steps import own_step
+
+    own = own_step(framework) if real else None
+    try:
+        if own is not None:
+            _refuse_own_step(own, framework, world_size, backend, config)
+        else:
+            refuse(framework, world_size, backend, "correct", real, config, what="the step")
+    except UsageError as refusal:
+        return str(refusal)
+    return None
+
+
+def _refuse_own_step(
+    own: Any, framework: str, world_size: int, backend: str, config: Mapping[str, Any]
+) -> None:
     from meshsim.builders.real import unavailable
-    from meshsim.usage.serial import BACKENDS, assert_matches_serial
+    from meshsim.usage.serial import BACKENDS
 
     if backend not in BACKENDS:
         raise UsageError(
@@ -100,6 +114,20 @@ def _own_step_equivalence(
     reason = unavailable(framework) or own.refusal(world_size, config)
     if reason is not None:
         raise UsageError(reason)
+
+
+def _own_step_equivalence(
+    own: Any,
+    framework: str,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    config: Mapping[str, Any],
+) -> RecipeEquivalence:
+    """The framework's own step (``meshsim.own_steps``) on N ranks against its serial twin."""
+    from meshsim.usage.serial import assert_matches_serial
+
+    _refuse_own_step(own, framework, world_size, backend, config)
     step = own.step(config)
     error, summary, seconds = _judged(
         lambda: assert_matches_serial(

@@ -62,6 +62,31 @@ def test_a_step_that_differs_from_its_twin_fails_the_sweep() -> None:
     assert report.exit_code == 1
 
 
+def test_a_layout_refused_up_front_is_not_counted_in_the_progress() -> None:
+    """The sweep asks each layout's refusal before any rank runs, so its progress line and
+    time estimate count only layouts that train; the refused one keeps its reason."""
+    config = {"dp": "ddp", "tp": 2}
+    (case,) = [c for c in meshsim.layouts(8, "olmo-core") if dict(c.config) == config]
+    outcome = Outcome(case)
+    outcome.results["fake"] = verify_case(case, "fake")
+    assert outcome.passed
+    started: list[tuple[str, int]] = []
+
+    class Counting:
+        def start(self, label: str, total: int) -> None:
+            started.append((label, total))
+
+        def advance(self, *args: object) -> None:
+            raise AssertionError("nothing should train")
+
+        def finish(self, *args: object) -> None: ...
+
+    assert sweep_equivalence.run(_args(backend="fake"), [outcome], Counting(), lambda: False)
+    assert started == [("equivalence (threaded)", 0)]
+    assert "DDP over a tensor-parallel model" in (outcome.step.refused or ""), outcome.step
+    assert outcome.passed
+
+
 def test_the_reference_backend_cannot_train() -> None:
     done = run_cli("sweep", "-n", "2", "--backend", "reference", "--equivalence")
     assert_bad_input(done, "--equivalence trains each layout on live ranks")

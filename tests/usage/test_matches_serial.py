@@ -191,3 +191,38 @@ def test_a_float32_loss_logged_as_a_float_is_named_rounding_not_a_scale() -> Non
     meshsim.assert_matches_serial(
         tensor_step, 4, "torch", steps=1, batch=batch, mesh_shape=(4,), mesh_dim_names=("dp",)
     )
+
+
+def _unreduced_replicas(ctx: object) -> dict[str, object]:
+    """Data parallelism with no gradient all-reduce: each replica trains on its own rows."""
+    import torch
+
+    weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    rows = ctx.batch(0)  # type: ignore[attr-defined]
+    size, rank = ctx.size("dp"), ctx.local_rank("dp")  # type: ignore[attr-defined]
+    (rows.chunk(size)[rank] @ weight).pow(2).mean().backward()
+    ctx.record({"w": weight})  # type: ignore[attr-defined]
+    return {"w": weight}
+
+
+def _distinct_rows(i: int) -> object:
+    import torch
+
+    return torch.arange(24, dtype=torch.float64).reshape(8, 3) ** 2
+
+
+@pytest.mark.parametrize(
+    ("world", "words"),
+    [(2, "rank 0 holds one value, rank 1 another"), (4, "ranks 1-3 others, not all the same")],
+)
+def test_replicas_that_drift_apart_are_named_without_claiming_the_rest_agree(
+    world: int, words: str
+) -> None:
+    with pytest.raises(SerialMismatch) as raised:
+        meshsim.assert_matches_serial(
+            _unreduced_replicas, world, "torch", steps=1, batch=_distinct_rows,
+            mesh_shape=(world,), mesh_dim_names=("dp",),
+        )  # fmt: skip
+    lines = str(raised.value).splitlines()
+    drift = [line for line in lines if "differs between replicas" in line]
+    assert drift and words in drift[0], lines[:6]
