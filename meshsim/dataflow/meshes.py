@@ -113,7 +113,8 @@ def _olmo_getters(root: DeviceMesh, config: Mapping[str, Any], parallel: Any) ->
     data_rank, data_size = _local(parallel.get_dp_process_group(root))
     data = parallel.get_dp_mesh(root)
     data = _flat(data, "meshsim_data")
-    grad = parallel.get_dp_model_mesh(root)
+    # Without a data-parallel config OLMo applies no DDP/FSDP: nothing reduces the gradients.
+    grad = parallel.get_dp_model_mesh(root) if config.get("dp") is not None else None
     tp = parallel.get_tp_mesh(root) if "tp" in names else None
     cp_rank, cp_size = _local(parallel.get_cp_mesh(root) if "cp" in names else None)
     pp_rank, _ = _local(parallel.get_pp_mesh(root) if "pp" in names else None)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import meshsim
 from meshsim import LayoutError
 from meshsim.model.conventions import olmo_core
+from meshsim.model.invariants import find_violations
 from tests.model._tt_olmo_helpers import assert_invariants, assert_same_groups, cases
 
 
@@ -42,11 +43,18 @@ def test_no_config_is_a_1d_dp_mesh() -> None:
         "get_dp_shard_mesh",
         "get_dp_replicate_mesh",
     }
-    assert dict(exp.roles) == {
-        "data_parallel": "get_dp_process_group",
-        "gradient_reduce": "get_dp_model_mesh",
-        "loss": "get_dp_model_mesh",
-    }
+    # No data-parallel config: the loader splits batches over the dp mesh, but OLMo applies no
+    # DDP/FSDP, so nothing reduces the gradients: a finding on more than one rank.
+    assert dict(exp.roles) == {"data_parallel": "get_dp_process_group"}
+    (violation,) = find_violations(exp)
+    assert violation.check == "gradient_reduce ⊇ data_parallel"
+    assert "are in no gradient-reduce group" in violation.message
+    assert find_violations(olmo(1)) == []
+
+
+def test_a_data_parallel_config_names_the_gradient_group() -> None:
+    exp = olmo(8, dp="ddp")
+    assert exp.roles["gradient_reduce"] == exp.roles["loss"] == "get_dp_model_mesh"
 
 
 @pytest.mark.parametrize("dp", ["ddp", "fsdp"])
@@ -410,7 +418,12 @@ def test_layouts_gives_olmo_cases() -> None:
 def test_invariants_hold_for_every_config(case: tuple[int, dict[str, Any]]) -> None:
     world, config = case
     exp = olmo(world, **config)
-    assert_invariants(exp)
+    if config.get("dp") is None and world > 1:  # no DDP/FSDP: the finding above
+        assert [v.check for v in find_violations(exp)] == [
+            "gradient_reduce ⊇ data_parallel"
+        ]
+    else:
+        assert_invariants(exp)
     for getter in GETTERS:  # every getter is a kind, available or not
         assert getter in exp.kinds() or getter in exp.unavailable()
 
@@ -438,7 +451,12 @@ def degree_configs(draw: Any) -> tuple[int, dict[str, Any]]:
 def test_sizes_match_olmos_own_test(case: tuple[int, dict[str, Any]]) -> None:
     world, config = case
     exp = olmo(world, **config)
-    assert_invariants(exp)
+    if config.get("dp") is None and world > 1:  # no DDP/FSDP: the finding above
+        assert [v.check for v in find_violations(exp)] == [
+            "gradient_reduce ⊇ data_parallel"
+        ]
+    else:
+        assert_invariants(exp)
     cp = config.get("cp") or 1
     dp_world = world // ((config.get("tp") or 1) * cp * (config.get("pp") or 1))
     assert exp.groups("get_dp_mesh").group_size == dp_world

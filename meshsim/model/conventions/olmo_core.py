@@ -84,6 +84,11 @@ def expect(world_size: int, **config: Any) -> Expected:
         # the loss is effectively reduced over, CP shards included.
         "loss": "get_dp_model_mesh",
     }
+    if cfg["dp"] is None:
+        # No data-parallel config: build_world_mesh still makes a dp mesh of every rank (and
+        # the loader splits batches over it), but parallelize_model applies no DDP/FSDP, so
+        # no gradient is reduced (docs/findings.md).
+        del roles["gradient_reduce"], roles["loss"]
     for role, getter in (("tensor", "tp"), ("context", "cp"), ("pipeline", "pp")):
         if kinds[f"get_{getter}_mesh"].available:
             roles[role] = f"get_{getter}_mesh"
