@@ -1,0 +1,142 @@
+"""accelerate 1.15's own training step against its serial twin (``meshsim.own_steps``).
+
+The step is accelerate's: ``Accelerator(parallelism_config=..., fsdp_plugin=FSDP2).prepare`` of
+a tiny transformers Llama (its ``fully_shard`` / DDP / TP preparation and its data-loader
+sharding), ``backward``, ``reduce`` of the loss, ``clip_grad_norm_``. accelerate's state is a
+process-wide singleton, so the N-rank step runs on gloo ranks. Passing layouts must pass; bugs
+planted in accelerate's own methods (through the step's ``before`` hook, inside every rank;
+the step puts them back after the run) must fail, naming the parameter and the likely mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshsim.errors import SerialMismatch, UsageError
+from meshsim.usage.recipe import check_equivalence
+from tests.real._helpers import require
+
+pytestmark = [require("accelerate", "accelerate"), pytest.mark.requires_framework("accelerate")]
+
+FSDP2 = {"dp_shard_size": 2}
+DDP = {"dp_replicate_size": 2}
+TP = {"tp_size": 2}
+HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
+TP4 = {"tp_size": 4}
+DDP_DISPATCH = {"dp_replicate_size": 2, "dispatch_batches": True}  # rank 0 loads
+
+
+def _planted(world: int, config: dict[str, Any], before: Any) -> Any:
+    from meshsim.own_steps import accelerate as own
+    from meshsim.usage.serial import assert_matches_serial
+
+    return assert_matches_serial(
+        own.step(config, before=before), world, "accelerate", backend="gloo",
+        batch=own.batch, timeout=600, **config,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("world", "config"),
+    [(2, FSDP2), (2, DDP), (2, TP), (2, DDP_DISPATCH), (4, HSDP), (4, TP4)],
+    ids=["fsdp2", "ddp", "tp", "ddp-dispatch", "hsdp-4", "tp-4"],
+)
+def test_accelerates_own_step_matches_its_serial_twin(world: int, config: dict[str, Any]) -> None:
+    result = check_equivalence("accelerate", world, "gloo", real=True, timeout=600, **config)
+    assert result.passed, result.error
+    assert "Accelerator(parallelism_config=" in result.step
+    assert "tensors over 2 steps" in result.summary, result.summary
+
+
+def _loader_without_the_mesh() -> None:
+    """The data loader prepared without accelerate's device mesh (as ``prepare_data_loader``
+    called without ``torch_device_mesh``): it shards over every process, so the two TP peers
+    of a tensor-parallel model take different rows."""
+    from accelerate.accelerator import Accelerator
+
+    Accelerator._prepare_device_mesh = lambda self: None
+
+
+def test_tensor_parallel_peers_fed_different_rows_are_named() -> None:
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, TP, _loader_without_the_mesh)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("grad of `model."), first
+    assert "a different batch" in first, first
+
+
+def _clip_with_local_norm() -> None:
+    """accelerate's DTensor-aware clipping taking the norm of each rank's own FSDP2 shards (no
+    reduction of the norm over the mesh): each rank clips by its own norm."""
+    import torch
+    from accelerate.accelerator import Accelerator
+    from torch.distributed.tensor import DTensor
+
+    def local(grad: Any) -> Any:
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    def _clip_grad_norm_dtensor_aware(self: Any, parameters: Any, max_norm: float, norm_type=2):
+        grads = [local(p.grad) for p in parameters if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            for grad in grads:  # the local tensors of the DTensor gradients, in place
+                grad.mul_(coefficient)
+        return total_norm
+
+    Accelerator._clip_grad_norm_dtensor_aware = _clip_grad_norm_dtensor_aware
+
+
+def test_a_clipping_norm_from_local_shards_is_named() -> None:
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, FSDP2, _clip_with_local_norm)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("grad of `model."), first
+    assert "the logged `grad_norm` at step 1 differs between ranks" in first, first
+    assert "a clipping norm from each rank's own shards" in first, first
+
+
+def _default_split_batches() -> None:
+    """accelerate's default ``DataLoaderConfiguration(split_batches=False)``: each data-parallel
+    rank loads batches of its own share (the whole global batch at tp=2, dp=1)."""
+    from meshsim.own_steps import accelerate as own
+
+    own.SPLIT_BATCHES = False
+
+
+def test_the_default_loader_steps_the_scheduler_once_per_tensor_parallel_rank_too() -> None:
+    """A finding in accelerate 1.15: without ``split_batches``, ``AcceleratedScheduler.step``
+    steps the scheduler ``AcceleratorState().num_processes`` times per optimizer step, because
+    the prepared loader is that many times shorter. Under TP ``prepare_data_loader`` divides it
+    by the data-parallel size only, yet the scheduler still counts every TP rank: at tp=2 (dp=1)
+    each rank loads the same 8 rows as the serial twin, and the warmup advances twice per step.
+    The first update agrees; the second, with a larger learning rate, does not."""
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, TP, _default_split_batches)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("`model.embed_tokens.weight` after 2 optimizer steps"), first
+    assert "grad of" not in str(info.value), "the gradients of both steps agree"
+
+
+def test_threaded_ranks_are_refused_with_the_reason() -> None:
+    with pytest.raises(UsageError, match=r"process-wide singletons.*use --backend gloo"):
+        check_equivalence("accelerate", 2, "threaded", real=True, timeout=300, **FSDP2)
+
+
+@pytest.mark.parametrize(
+    ("world", "config", "reason"),
+    [
+        (4, {"dp_shard_size": 2, "tp_size": 2}, r"ReplicateParallel from transformers"),
+        (2, {"dp_shard_size": 1, "cp_size": 2}, r"cp_size=2: accelerate's context parallelism"),
+        (2, {"sp_size": 2}, r"DeepSpeed's engine"),
+        (2, {"tp_size": 2, "dispatch_batches": True}, r"DataLoaderDispatcher hands TP peers"),
+    ],
+    ids=["fsdp2+tp", "cp", "sp", "tp-dispatch"],
+)
+def test_layouts_the_step_does_not_run_are_refused_with_the_reason(
+    world: int, config: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(UsageError, match=reason):
+        check_equivalence("accelerate", world, "gloo", real=True, **config)
