@@ -6,11 +6,14 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+from meshsim.errors import UsageError
+from meshsim.own_steps import STEPS
+
 HELP = (
     "also train the data-flow recipe's tiny model on the N ranks and on one rank, from the "
     "same weights on the same global batch, and compare every gradient and parameter "
     "(threaded/gloo only; the frameworks --dataflow covers); with --real, the framework's "
-    "own training step where meshsim runs it (torchtitan, olmo-core)"
+    f"own training step where meshsim runs it ({', '.join(STEPS)})"
 )
 
 
@@ -19,10 +22,17 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse before any rank runs, as ``--dataflow`` does (the same recipe)."""
+    """Refuse before any rank runs: as ``--dataflow`` does (the same recipe), or, with
+    ``--real`` where the framework's own step runs, only the fake tier."""
     from meshsim.cli import dataflow
 
-    dataflow.check_args(args, flag="--equivalence")
+    if not (args.real and args.framework in STEPS):
+        dataflow.check_args(args, flag="--equivalence")
+    elif args.backend == "fake":
+        raise UsageError(
+            "--equivalence needs real collectives and the fake backend moves no data; use "
+            "--backend threaded or --backend gloo"
+        )
 
 
 def run(args: argparse.Namespace, world: int, config: Mapping[str, Any]) -> Any:

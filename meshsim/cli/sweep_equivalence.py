@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshsim.errors import UsageError
+from meshsim.own_steps import STEPS
 
 HELP = (
     "after the group check, train each layout whose groups passed on the N ranks and on one, "
     "from the same weights on the same global batch, and compare every gradient, parameter "
     "and logged value (meshsim's recipe; with --real, the framework's own step where meshsim "
-    "runs it: torchtitan, olmo-core); layouts the step does not run are listed with the reason"
+    f"runs it: {', '.join(STEPS)}); layouts the step does not run are listed with the reason"
 )
 LIVE_BACKENDS = ("threaded", "gloo", "nccl")
 

@@ -38,3 +38,26 @@ def test_a_framework_finding_exits_1_with_the_first_line() -> None:
 )
 def test_equivalence_refusals_are_bad_input(args: tuple[str, ...], needle: str) -> None:
     assert_bad_input(run_cli("verify", *args, "-n", "8", "--equivalence"), needle)
+
+
+def test_real_reaches_every_framework_with_an_own_step_and_only_those() -> None:
+    """``--real`` lets ``--equivalence`` through for a framework meshsim runs the own step of,
+    though meshsim's recipe has none for it (DeepSpeed, megatron); without ``--real`` the
+    recipe's list still decides, and the fake tier is refused either way."""
+    import argparse
+
+    from meshsim.cli import equivalence
+    from meshsim.errors import UsageError
+    from meshsim.own_steps import STEPS
+
+    def args(framework: str, real: bool, backend: str = "gloo") -> argparse.Namespace:
+        return argparse.Namespace(framework=framework, real=real, backend=backend)
+
+    for framework in STEPS:
+        equivalence.check_args(args(framework, real=True))
+        with pytest.raises(UsageError, match="fake backend moves no data"):
+            equivalence.check_args(args(framework, real=True, backend="fake"))
+    with pytest.raises(UsageError, match="has a recipe for .* not 'deepspeed'"):
+        equivalence.check_args(args("deepspeed", real=False))
+    with pytest.raises(UsageError, match="has a recipe for .* not 'areal'"):
+        equivalence.check_args(args("areal", real=True))
