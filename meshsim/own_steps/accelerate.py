@@ -189,8 +189,8 @@ def _model_config() -> Any:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=8,  # so that a tensor-parallel group of 8 splits them
+        num_key_value_heads=8,
         max_position_embeddings=SEQUENCE,
         tie_word_embeddings=False,
     )
