@@ -325,14 +325,16 @@ def _plain_model(experts: int, ep: int, seed: int, before_ep: bool) -> Any:
     return model
 
 
-def _pipeline_model(pp: int, dp: int, seed: int) -> Any:
+def _pipeline_model(pp: int, dp: int, seed: int, stages: int) -> Any:
+    """The layers of ``stages`` pipeline stages (the twin builds the same on one), at least one
+    per stage: a stage without parameters is an empty optimizer, which DeepSpeed refuses."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     embed_cls, block_cls, norm_cls = _layers()
     layers = [
         TiedLayerSpec("embed", embed_cls, VOCABULARY, HIDDEN),
-        LayerSpec(block_cls),
+        *(LayerSpec(block_cls) for _ in range(max(1, stages - 3))),
         LayerSpec(norm_cls, HIDDEN),
         TiedLayerSpec("embed", embed_cls, VOCABULARY, HIDDEN, forward_fn=_tied_head),
     ]
@@ -585,7 +587,7 @@ def _train(
     experts = EXPERTS_PER_RANK * int(config.get("ep") or 0)
     pipeline = int(config.get("num_pp") or 1) > 1  # the twin then trains one stage
     if pipeline:
-        model = _pipeline_model(pp, dp, ctx.seed)
+        model = _pipeline_model(pp, dp, ctx.seed, stages=int(config["num_pp"]))
         dataset = torch.utils.data.TensorDataset(rows[:, :-1], rows[:, 1:])
     else:
         before_ep = bool(config.get("use_data_before_expert_parallel_"))
