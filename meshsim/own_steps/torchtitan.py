@@ -3,10 +3,29 @@
 What runs is the trainer's step (``torchtitan.trainer.Trainer.__init__`` and ``train_step``)
 without the tokenizer, data loader, checkpointer and metrics: ``ParallelDims.from_config``
 and ``build_mesh``; the llama3 debug model; torchtitan's ``parallelize_llama`` (FSDP / HSDP,
-TP with sequence parallelism); the loss its config builds (``ChunkedLossWrapper`` over cross
-entropy) normalised by the global count of valid tokens (``dist_sum_tensor`` over the batch
-mesh); ``clip_grad_norm_``; its AdamW and LR schedule. The serial twin is the same config with
-every degree 1.
+TP with sequence parallelism, CP); the loss its config builds (``ChunkedLossWrapper`` over
+cross entropy) normalised by the global count of valid tokens (``dist_sum_tensor`` over the
+batch mesh); ``clip_grad_norm_``; its AdamW and LR schedule. With cp > 1 each rank's rows are
+split over cp by torchtitan's ``prepare_context_parallel_input`` (inputs, labels, positions
+and the attention mask, with the configured load balancer), after the valid tokens are
+counted, as the trainer's ``post_dataloading_process`` does; torch's FlexAttention CP needs
+``cp * 128`` tokens a row, so such a layout (and its twin) trains on that length. The serial
+twin is the same config with every degree 1.
+
+A layout with expert parallelism (``ep > 1``) runs torchtitan's MoE debug model instead: the
+smallest one whose family's ``parallelize_*`` takes EP, deepseek_v3's ``debugmodel`` (33M
+parameters: 6 layers, the first dense, then MoE with 8 routed experts, top-3 softmax routing
+and 2 shared experts; qwen3's ``debugmodel_moe`` has 316M, gpt_oss's 81M), through
+``parallelize_deepseekv3``: the experts sharded over the ``ep`` mesh and their tokens sent
+by ``AllToAllTokenDispatcher`` (``all_to_all_single``), FSDP of the experts over ``efsdp``
+and of everything else over ``fsdp``, and the auxiliary-loss-free load balancing its model
+spec registers (``register_moe_load_balancing_hook``: the expert-bias update, an optimizer
+step pre-hook, from token counts all-reduced over the loss mesh, and with tp over tp). Its
+serial twin is the same MoE model with every degree 1. Besides the parameters and gradients,
+each MoE layer's ``expert_bias_E`` buffer is compared, as the optimizer step begins (just
+updated from that step's counts) and after the last step. ``step(config, experts=True)`` runs
+the MoE model with any layout: with ep=1 and tp > 1, torchtitan 0.3.0 (which has no etp
+degree) shards each expert's hidden dimension over tp, its expert tensor parallelism.
 
 Two choices keep the comparison exact, and neither changes what is checked:
 
@@ -31,7 +50,11 @@ from meshsim.errors import UsageError
 
 GLOBAL_BATCH = 8  # rows: splits over a batch mesh of 1, 2, 4 or 8 ranks
 SEQUENCE = 64
-VOCABULARY = 2048  # the llama3 debug model's vocab_size
+#: torch's FlexAttention context parallelism shards the sequence in blocks of 128 tokens per
+#: cp rank (``_create_cp_block_mask``), so a layout with cp > 1 trains on cp * 128 tokens.
+CP_BLOCK = 128
+LONGEST = 1024  # the batch's row length: cp up to 8
+VOCABULARY = 2048  # the llama3 and deepseek_v3 debug models' vocab_size
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 #: torchtitan's ``ParallelismConfig`` field -> the ``ParallelDims`` attribute holding it.
 PARALLELISM_FIELDS = {
@@ -45,8 +68,11 @@ PARALLELISM_FIELDS = {
 }
 
 WHAT_RUNS = (
-    "torchtitan's own llama3 debug-model step: parallelize_llama, ChunkedLossWrapper loss "
-    "over the global valid-token count, clip_grad_norm_, AdamW"
+    "torchtitan's own debug-model step: the llama3 model through parallelize_llama, or with "
+    "ep>1 the deepseek_v3 MoE model through parallelize_deepseekv3 (EP all-to-all, experts' "
+    "FSDP over efsdp, load-balancing bias update); inputs split over cp by "
+    "prepare_context_parallel_input; ChunkedLossWrapper loss over the global valid-token "
+    "count, clip_grad_norm_, AdamW"
 )
 
 
@@ -55,15 +81,19 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
     if config.get("version", "current") != "current":
         version = config["version"]
         return f"torchtitan's own step runs torchtitan 0.3.0 (version 'current'), not {version!r}"
-    for key, why in (
-        ("pp", "its pipeline schedules are not run yet"),
-        ("cp", "the step does not yet shard its inputs over cp as torchtitan's trainer does"),
-        ("ep", "the llama3 debug model is dense (no experts); the MoE step is not run yet"),
-    ):
-        if int(config.get(key, 1)) > 1:
-            return f"torchtitan's own step with {key}>1: {why}"
+    if int(config.get("pp", 1)) > 1:
+        return "torchtitan's own step with pp>1: its pipeline schedules are not run yet"
+    cp = int(config.get("cp", 1))
+    if cp > 1 and sequence_length(config) > LONGEST:
+        return f"torchtitan's own step with cp={cp}: its batch rows hold {LONGEST} tokens"
     if config.get("etp") not in (None, 1):
-        return "torchtitan's own step: etp needs experts, which the llama3 debug model lacks"
+        return (
+            "torchtitan 0.3.0 (version 'current') has no expert tensor-parallel degree: with "
+            "ep>1 its experts are sharded over the ep mesh, which borrows tp's ranks (give ep "
+            "with tp, e.g. tp=2 ep=2), and with ep=1 they are tensor-parallel over tp (the "
+            "step runs the MoE model there with meshsim.own_steps.torchtitan.step(config, "
+            "experts=True)); leave etp out"
+        )
     return _spmd_types_refusal(world_size, config)
 
 
@@ -86,21 +116,69 @@ def _spmd_types_refusal(world_size: int, config: Mapping[str, Any]) -> str | Non
     )
 
 
+def sequence_length(config: Mapping[str, Any]) -> int:
+    """The tokens a row trains on: ``SEQUENCE``, or with cp > 1 the ``cp * CP_BLOCK`` torch's
+    FlexAttention context parallelism needs (the serial twin uses the same length)."""
+    cp = int(config.get("cp", 1))
+    return SEQUENCE if cp == 1 else cp * CP_BLOCK
+
+
+def uses_experts(config: Mapping[str, Any]) -> bool:
+    """Whether the layout runs the MoE debug model: when it asks for expert parallelism. The
+    serial twin of such a layout runs the same MoE model with every degree 1."""
+    return int(config.get("ep", 1)) > 1
+
+
+def _trainer_config(moe: bool) -> Any:
+    """torchtitan's own debug trainer config: llama3's (dense) or deepseek_v3's (MoE)."""
+    if moe:
+        from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+        return deepseek_v3_debugmodel()
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return llama3_debugmodel()
+
+
+def _expert_biases(model: Any) -> dict[str, Any]:
+    """Each MoE layer's load-balancing bias (a buffer, so not among the parameters):
+    torchtitan updates it before each optimizer step from the token counts summed over the
+    loss mesh (and, with EP, over tp). Empty for a dense model."""
+    from meshsim.usage.step import plain_name
+
+    return {
+        plain_name(name): buffer.detach().clone()
+        for name, buffer in model.named_buffers()
+        if name.endswith("expert_bias_E")
+    }
+
+
 def batch(step: int) -> Any:
-    """A step's global batch: token ids, inputs and labels shifted by one."""
+    """A step's global batch: token ids, inputs and labels shifted by one (the step trains on
+    the first ``sequence_length(config) + 1`` of each row)."""
     import torch
 
-    return torch.randint(0, VOCABULARY, (GLOBAL_BATCH, SEQUENCE + 1), dtype=torch.int64)
+    return torch.randint(0, VOCABULARY, (GLOBAL_BATCH, LONGEST + 1), dtype=torch.int64)
 
 
 def step(
-    config: Mapping[str, Any], before: Callable[[], None] | None = None
+    config: Mapping[str, Any],
+    before: Callable[[], None] | None = None,
+    *,
+    experts: bool | None = None,
 ) -> Callable[[Any], Any]:
-    """The step function for :func:`meshsim.assert_matches_serial`."""
-    return functools.partial(_step, dict(config), before)
+    """The step function for :func:`meshsim.assert_matches_serial`. ``experts`` picks the
+    model: None runs the MoE model exactly when ``ep > 1``; True runs it with any layout (with
+    ep=1 and tp > 1 torchtitan shards the experts' hidden dimension over tp instead)."""
+    return functools.partial(_step, dict(config), before, experts)
 
 
-def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -> Any:
+def _step(
+    config: dict[str, Any],
+    before: Callable[[], None] | None,
+    experts: bool | None,
+    ctx: Any,
+) -> Any:
     import torch
 
     from meshsim.builders.real import torchtitan as adapter
@@ -110,6 +188,8 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
     cpu.stub_triton_kernels()
     cpu.cpu_device()
     cpu.eager_attention()
+    cpu.eager_cp_block_mask()
+    cpu.float32_experts()
     cpu.quiet()
     register_fake_backend()
     if before is not None:
@@ -119,19 +199,21 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
     from torchtitan.distributed import full_dtensor
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
     from torchtitan.tools import utils
 
+    moe = uses_experts(config) if experts is None else experts
     dims_config = {**config, **dict.fromkeys(DEGREES, 1)} if ctx.serial else config
     parallel_dims = adapter.parallel_dims(ctx.world_size, dims_config)
     parallel_dims.build_mesh()
-    trainer = llama3_debugmodel()
+    trainer = _trainer_config(moe)
     par = trainer.parallelism
     # The trainer's parallelism config, as ParallelDims resolved it (a -1 degree inferred).
     for field, dim in PARALLELISM_FIELDS.items():
         setattr(par, field, getattr(parallel_dims, dim))
-    trainer.training.seq_len = SEQUENCE
+    seq = sequence_length(config)
+    trainer.training.seq_len = seq
     trainer.training.mixed_precision_param = "float32"  # compared in float32, not bfloat16
     trainer.training.dtype = "float32"
     dist_utils.set_spmd_backend(par.spmd_backend)
@@ -173,6 +255,16 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
         loss_fn.set_lm_head(model.lm_head)
         model._skip_lm_head = True
     optimizers = trainer.optimizer.build(model_parts=[model])
+    if trainer.model_spec.post_optimizer_build_fn is not None:
+        # The MoE models' expert-bias update (auxiliary-loss-free load balancing), an
+        # optimizer step pre-hook, exactly as torchtitan's trainer registers it.
+        trainer.model_spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
+    # The step is recorded as the optimizer step begins, after that hook: the expert biases
+    # it has just updated from this step's token counts, no parameter moved yet.
+    logged_values: dict[str, Any] = {}
+    optimizers.register_step_pre_hook(
+        lambda *_: ctx.record(model, **logged_values, **_expert_biases(model))
+    )
     schedulers = trainer.lr_scheduler.build(
         optimizers=optimizers, training_steps=trainer.training.steps
     )
@@ -182,14 +274,25 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
     )
     for i in range(ctx.steps):
         optimizers.zero_grad()
-        tokens = ctx.batch(i)[batch_rank * rows : (batch_rank + 1) * rows]
+        tokens = ctx.batch(i)[batch_rank * rows : (batch_rank + 1) * rows, : seq + 1]
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        positions = torch.arange(SEQUENCE, dtype=torch.int64).expand(rows, SEQUENCE).contiguous()
+        positions = torch.arange(seq, dtype=torch.int64).expand(rows, seq).contiguous()
+        # Counted before the cp split, as torchtitan's trainer counts its loader's rows.
         valid = (labels != IGNORE_INDEX).sum()
         if batch_mesh is not None:
             valid = dist_utils.dist_sum_tensor(valid, batch_mesh)
         extra: dict[str, Any] = {"positions": positions}
         extra["attention_masks"] = model.get_attention_masks(positions=positions)
+        if parallel_dims.cp_enabled:
+            inputs, labels, extra = prepare_context_parallel_input(
+                inputs,
+                labels,
+                extra,
+                parallel_dims.get_mesh("cp"),
+                torch.device("cpu"),
+                par.context_parallel_load_balancer,
+                par.context_parallel_ptrr_mask_key,
+            )
         if par.spmd_backend == "full_dtensor":
             inputs, labels, extra = full_dtensor.parallelize_inputs(
                 parallel_dims, inputs, labels, extra
@@ -211,11 +314,11 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
         logged = loss.detach()
         if parallel_dims.dp_cp_enabled:
             logged = dist_utils.dist_sum(logged, parallel_dims.get_optional_mesh("loss"))
-        ctx.record(
-            model,
-            loss=torch.tensor(float(logged), dtype=torch.float32),
-            grad_norm=grad_norm,
-        )
-        optimizers.step()
+        logged_values.update(loss=torch.tensor(float(logged), dtype=torch.float32))
+        logged_values.update(grad_norm=grad_norm)
+        optimizers.step()  # records the step (the hook above), then updates
         schedulers.step()
-    return model
+    if not moe:
+        return model
+    # The final parameters and the expert biases after the last update.
+    return {**dict(model.named_parameters()), **_expert_biases(model)}

@@ -1,9 +1,10 @@
 """torchtitan 0.3.0's own training step against its serial twin (``meshsim.own_steps``).
 
-The step is torchtitan's: ``parallelize_llama`` on the llama3 debug model, its loss over the
-global valid-token count, ``clip_grad_norm_`` and AdamW. Passing layouts must pass; bugs
-planted in copies of torchtitan's own functions (through the step's ``before`` hook, inside
-every rank) must fail, naming the parameter and the likely mistake.
+The step is torchtitan's: ``parallelize_llama`` on the llama3 debug model (with ``ep > 1``,
+``parallelize_deepseekv3`` on the deepseek_v3 MoE debug model), its loss over the global
+valid-token count, ``clip_grad_norm_`` and AdamW. Passing layouts must pass; bugs planted in
+copies of torchtitan's own functions (through the step's ``before`` hook, inside every rank)
+must fail, naming the parameter and the likely mistake.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ pytestmark = [require("torchtitan", "torchtitan"), pytest.mark.requires_framewor
 
 TP2 = {"dp_shard": 1, "tp": 2, "spmd_backend": "full_dtensor"}
 FSDP2 = {"dp_shard": 2, "spmd_backend": "partial_dtensor"}
+#: Context parallelism: each rank's rows split over cp by prepare_context_parallel_input.
+CP2 = {"dp_shard": 1, "cp": 2, "spmd_backend": "partial_dtensor"}
+#: Expert parallelism over both ranks (ep borrows fsdp's ranks: efsdp is 1).
+EP2 = {"dp_shard": 2, "ep": 2, "spmd_backend": "partial_dtensor"}
 
 
 @pytest.fixture(autouse=True)
@@ -28,12 +33,24 @@ def _torchtitan_restored() -> Any:
     from meshsim.own_steps import torchtitan_cpu
 
     torchtitan_cpu.stub_triton_kernels()
+    import torchtitan.distributed.fsdp as fsdp
     import torchtitan.distributed.utils as dist_utils
+    import torchtitan.models.deepseek_v3 as deepseek_v3
     from torchtitan.components.loss import ChunkedLossWrapper
 
-    kept = (dist_utils.clip_grad_norm_, ChunkedLossWrapper.__call__)
+    kept = (
+        dist_utils.clip_grad_norm_,
+        ChunkedLossWrapper.__call__,
+        deepseek_v3.register_moe_load_balancing_hook,
+        fsdp.fully_shard,
+    )
     yield
-    dist_utils.clip_grad_norm_, ChunkedLossWrapper.__call__ = kept
+    (
+        dist_utils.clip_grad_norm_,
+        ChunkedLossWrapper.__call__,
+        deepseek_v3.register_moe_load_balancing_hook,
+        fsdp.fully_shard,
+    ) = kept
 
 
 def _own_step(world: int, config: dict[str, Any], before: Any = None) -> Any:
@@ -49,7 +66,7 @@ def _own_step(world: int, config: dict[str, Any], before: Any = None) -> Any:
     )
 
 
-@pytest.mark.parametrize("config", [TP2, FSDP2], ids=["tp2", "fsdp2"])
+@pytest.mark.parametrize("config", [TP2, FSDP2, CP2], ids=["tp2", "fsdp2", "cp2"])
 def test_torchtitans_own_step_matches_its_serial_twin(config: dict[str, Any]) -> None:
     result = _own_step(2, config)
     assert result.passed, result.error
@@ -119,9 +136,106 @@ def test_a_loss_normalised_over_the_wrong_dims_is_named() -> None:
     assert loss and "is 2x the serial one" in loss[0] and "a count 2x too small" in loss[0]
 
 
+def test_an_expert_parallel_layout_runs_the_moe_model_and_matches_its_twin() -> None:
+    """ep=2 on 2 ranks: deepseek_v3's MoE debug model through parallelize_deepseekv3, its
+    tokens all-to-all'd over the ep mesh, its load-balancing biases compared too."""
+    result = _own_step(2, EP2)
+    assert result.passed, result.error
+    assert "parallelize_deepseekv3" in result.step
+
+
+@pytest.mark.slow
+def test_the_moe_model_with_experts_tensor_parallel_over_tp_matches_its_twin() -> None:
+    """ep=1, tp=2 on the MoE model (``step(..., experts=True)``): torchtitan 0.3.0, which has
+    no etp degree, shards each expert's hidden dimension over tp instead."""
+    from meshsim.own_steps import torchtitan as own
+    from meshsim.usage.serial import assert_matches_serial
+
+    config = {"dp_shard": 1, "tp": 2, "spmd_backend": "partial_dtensor"}
+    step = own.step(config, experts=True)
+    result = assert_matches_serial(
+        step, 2, "torchtitan", backend="threaded", batch=own.batch, timeout=300, **config
+    )
+    assert result.comparison.passed and result.comparison.compared > 800
+
+
+class _NoLossMesh:
+    """A ``ParallelDims`` whose ``get_optional_mesh("loss")`` is None (the rest unchanged)."""
+
+    def __init__(self, dims: Any) -> None:
+        self._dims = dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dims, name)
+
+    def get_optional_mesh(self, dims: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if dims == "loss" else self._dims.get_optional_mesh(dims, *args, **kwargs)
+
+
+def _load_balancing_counts_not_all_reduced() -> None:
+    """torchtitan's auxiliary-loss-free load balancing with the routers' token counts left
+    unreduced: its hook (``register_moe_load_balancing_hook``) sums each MoE layer's counts
+    over the loss mesh before it moves the expert biases; handed no loss mesh, each rank
+    moves its biases by its own tokens' counts, and the ranks route differently."""
+    import torchtitan.models.deepseek_v3 as deepseek_v3
+
+    register = deepseek_v3.register_moe_load_balancing_hook
+
+    def unreduced(optimizers: Any, model_parts: Any, parallel_dims: Any) -> None:
+        register(optimizers, model_parts, _NoLossMesh(parallel_dims))
+
+    deepseek_v3.register_moe_load_balancing_hook = unreduced
+
+
+def test_load_balancing_counts_not_all_reduced_are_named() -> None:
+    from meshsim.errors import SerialMismatch
+
+    with pytest.raises(SerialMismatch) as info:
+        _own_step(2, EP2, before=_load_balancing_counts_not_all_reduced)
+    first = str(info.value).splitlines()[0]
+    # The first MoE layer's bias, at the first step: its update already differs.
+    assert first.startswith("logged `layers.1.moe.expert_bias_E` at step 1 on rank"), first
+    assert "a member missing from a reduction (a partial sum)" in first, first
+
+
+def _experts_left_out_of_fsdp() -> None:
+    """torchtitan's ``apply_fsdp_to_decoder`` with the routed experts passed to
+    ``fully_shard`` as ``ignored_params`` (as if their EP sharding were managed by hand) and
+    then never reduced: each expert-data-parallel replica steps its experts with the
+    gradient of its own tokens only."""
+    import torchtitan.distributed.fsdp as fsdp
+
+    fully_shard = fsdp.fully_shard
+
+    def experts_ignored(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("shard_placement_fn") is not None and hasattr(module, "moe"):
+            experts = module.moe.routed_experts.inner_experts
+            kwargs["ignored_params"] = set(experts.parameters())
+        return fully_shard(module, *args, **kwargs)
+
+    fsdp.fully_shard = experts_ignored
+
+
+@pytest.mark.slow
+def test_expert_gradients_not_reduced_over_efsdp_are_named() -> None:
+    """World 4, dp_shard=4 and ep=2: efsdp is 2, so the experts need FSDP's reduction."""
+    from meshsim.errors import SerialMismatch
+
+    config = {"dp_shard": 4, "ep": 2, "spmd_backend": "partial_dtensor"}
+    with pytest.raises(SerialMismatch) as info:
+        _own_step(4, config, before=_experts_left_out_of_fsdp)
+    first = str(info.value).splitlines()[0]
+    expert = "`layers.1.moe.routed_experts.inner_experts.w1_EFD`"
+    assert first.startswith(f"grad of {expert} at step 1 on ranks 0-3"), first
+    assert "no collective reduced it" in first, first
+    assert "the sum over efsdp (2 ranks, the expert_data group) is the serial value" in first
+
+
 def test_layouts_the_step_does_not_run_are_refused_with_the_reason() -> None:
     with pytest.raises(UsageError, match=r"pp>1: its pipeline schedules"):
         check_equivalence("torchtitan", 4, "threaded", real=True, dp_shard=2, pp=2)
+    with pytest.raises(UsageError, match=r"no expert tensor-parallel degree.*leave etp out"):
+        check_equivalence("torchtitan", 4, "threaded", real=True, tp=2, ep=2, etp=2)
     with pytest.raises(UsageError, match=r"needs real collectives"):
         check_equivalence("torchtitan", 2, "fake", real=True, tp=2)
 
