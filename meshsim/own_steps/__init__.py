@@ -16,6 +16,7 @@ from types import ModuleType
 STEPS = {
     "torchtitan": "meshsim.own_steps.torchtitan",
     "olmo-core": "meshsim.own_steps.olmo_core",
+    "megatron": "meshsim.own_steps.megatron",
     "deepspeed": "meshsim.own_steps.deepspeed",
     "accelerate": "meshsim.own_steps.accelerate",
     "lightning": "meshsim.own_steps.lightning",
