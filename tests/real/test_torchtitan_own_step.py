@@ -187,6 +187,7 @@ def _load_balancing_counts_not_all_reduced() -> None:
     deepseek_v3.register_moe_load_balancing_hook = unreduced
 
 
+@pytest.mark.slow  # about 110 s on 2 loaded cores; the MoE layout itself runs by default
 def test_load_balancing_counts_not_all_reduced_are_named() -> None:
     from meshsim.errors import SerialMismatch
 
