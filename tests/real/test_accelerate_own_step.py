@@ -40,7 +40,14 @@ def _planted(world: int, config: dict[str, Any], before: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("world", "config"),
-    [(2, FSDP2), (2, DDP), (2, TP), (2, DDP_DISPATCH), (4, HSDP), (4, TP4)],
+    [
+        (2, FSDP2),
+        (2, DDP),
+        (2, TP),
+        pytest.param(2, DDP_DISPATCH, marks=pytest.mark.slow),  # CI time: the same paths
+        pytest.param(4, HSDP, marks=pytest.mark.slow),
+        pytest.param(4, TP4, marks=pytest.mark.slow),
+    ],
     ids=["fsdp2", "ddp", "tp", "ddp-dispatch", "hsdp-4", "tp-4"],
 )
 def test_accelerates_own_step_matches_its_serial_twin(world: int, config: dict[str, Any]) -> None:

@@ -57,7 +57,12 @@ def _planted(world: int, config: dict[str, Any], before: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("world", "config"),
-    [(2, FSDP), (2, TP), (4, FSDP_TP), (4, AUTO_TWO_NODES)],
+    [
+        (2, FSDP),
+        (2, TP),
+        (4, FSDP_TP),
+        pytest.param(4, AUTO_TWO_NODES, marks=pytest.mark.slow),  # CI time: FSDP+TP again
+    ],
     ids=["fsdp", "tp", "fsdp+tp-4", "auto-2-nodes-4"],
 )
 def test_lightnings_own_step_matches_its_serial_twin(world: int, config: dict[str, Any]) -> None:
