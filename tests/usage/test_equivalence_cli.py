@@ -57,7 +57,7 @@ def test_real_reaches_every_framework_with_an_own_step_and_only_those() -> None:
         equivalence.check_args(args(framework, real=True))
         with pytest.raises(UsageError, match="fake backend moves no data"):
             equivalence.check_args(args(framework, real=True, backend="fake"))
-    with pytest.raises(UsageError, match="has a recipe for .* not 'deepspeed'"):
+    with pytest.raises(UsageError, match=r"has a recipe for .* not 'deepspeed'"):
         equivalence.check_args(args("deepspeed", real=False))
-    with pytest.raises(UsageError, match="has a recipe for .* not 'areal'"):
+    with pytest.raises(UsageError, match=r"has a recipe for .* not 'areal'"):
         equivalence.check_args(args("areal", real=True))
