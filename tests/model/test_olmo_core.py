@@ -419,9 +419,7 @@ def test_invariants_hold_for_every_config(case: tuple[int, dict[str, Any]]) -> N
     world, config = case
     exp = olmo(world, **config)
     if config.get("dp") is None and world > 1:  # no DDP/FSDP: the finding above
-        assert [v.check for v in find_violations(exp)] == [
-            "gradient_reduce ⊇ data_parallel"
-        ]
+        assert [v.check for v in find_violations(exp)] == ["gradient_reduce ⊇ data_parallel"]
     else:
         assert_invariants(exp)
     for getter in GETTERS:  # every getter is a kind, available or not
@@ -452,9 +450,7 @@ def test_sizes_match_olmos_own_test(case: tuple[int, dict[str, Any]]) -> None:
     world, config = case
     exp = olmo(world, **config)
     if config.get("dp") is None and world > 1:  # no DDP/FSDP: the finding above
-        assert [v.check for v in find_violations(exp)] == [
-            "gradient_reduce ⊇ data_parallel"
-        ]
+        assert [v.check for v in find_violations(exp)] == ["gradient_reduce ⊇ data_parallel"]
     else:
         assert_invariants(exp)
     cp = config.get("cp") or 1
