@@ -13,8 +13,23 @@ HELP = (
     "also train the data-flow recipe's tiny model on the N ranks and on one rank, from the "
     "same weights on the same global batch, and compare every gradient and parameter "
     "(threaded/gloo only; the frameworks --dataflow covers); with --real, the framework's "
-    f"own training step where meshsim runs it ({', '.join(STEPS)})"
+    f"own training step where meshsim runs it ({', '.join(STEPS)}; it waits at least "
+    "900 s before it counts as hung)"
 )
+
+
+#: The least hang guard for a framework's own step: it builds and trains a real model on every
+#: rank and on one, minutes at world 8 on two CPU cores; ``--timeout`` (120 s by default, sized
+#: for group checks) would fail slow work that is not a hang.
+OWN_STEP_TIMEOUT_S = 900.0
+
+
+def step_timeout(timeout: float, real: bool, framework: str) -> float:
+    """The timeout the training step runs under: ``--timeout``, at least
+    :data:`OWN_STEP_TIMEOUT_S` where the framework's own step runs."""
+    if real and framework in STEPS:
+        return max(float(timeout), OWN_STEP_TIMEOUT_S)
+    return float(timeout)
 
 
 def add_flag(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +54,12 @@ def run(args: argparse.Namespace, world: int, config: Mapping[str, Any]) -> Any:
     from meshsim.usage.recipe import check_equivalence
 
     return check_equivalence(
-        args.framework, world, args.backend, real=args.real, timeout=args.timeout, **config
+        args.framework,
+        world,
+        args.backend,
+        real=args.real,
+        timeout=step_timeout(args.timeout, args.real, args.framework),
+        **config,
     )
 
 

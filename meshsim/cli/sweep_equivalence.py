@@ -22,7 +22,8 @@ HELP = (
     "after the group check, train each layout whose groups passed on the N ranks and on one, "
     "from the same weights on the same global batch, and compare every gradient, parameter "
     "and logged value (meshsim's recipe; with --real, the framework's own step where meshsim "
-    f"runs it: {', '.join(STEPS)}); layouts the step does not run are listed with the reason"
+    f"runs it: {', '.join(STEPS)}, each waited for at least 900 s before it counts as hung); "
+    "layouts the step does not run are listed with the reason"
 )
 LIVE_BACKENDS = ("threaded", "gloo", "nccl")
 
@@ -74,6 +75,7 @@ def run(
     stopping: Callable[[], bool],
 ) -> bool:
     """Each passing outcome's step, into ``outcome.step``; True when all were tried."""
+    from meshsim.cli.equivalence import step_timeout
     from meshsim.usage.recipe import check_equivalence, equivalence_refusal
 
     tier = backend(args)
@@ -95,8 +97,9 @@ def run(
             return False
         case = outcome.case
         try:
+            timeout = step_timeout(args.timeout, args.real, case.framework)
             result = check_equivalence(
-                case.framework, case.world_size, tier, real=args.real, timeout=args.timeout,
+                case.framework, case.world_size, tier, real=args.real, timeout=timeout,
                 **case.config,
             )  # fmt: skip
             outcome.step = StepVerdict(result=result)
