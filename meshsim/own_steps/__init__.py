@@ -9,7 +9,9 @@ global batch), ``step(config, before=None)`` (the step function) and ``WHAT_RUNS
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 #: framework -> module of its own step.
@@ -27,3 +29,31 @@ def own_step(framework: str) -> ModuleType | None:
     """The module running ``framework``'s own step, or None where meshsim has none yet."""
     name = STEPS.get(framework)
     return None if name is None else importlib.import_module(name)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def put_back(before: Callable[[], None] | None, patchable: Sequence[str]) -> Iterator[None]:
+    """Restore what ``before`` (a planted bug) replaced on ``patchable`` (``"module"`` or
+    ``"module:attribute"``): a warm gloo worker runs the next layout, and the serial twin runs
+    in the caller's process."""
+    if before is None:
+        yield
+        return
+    owners = []
+    for name in patchable:
+        module, _, attribute = name.partition(":")
+        owner = importlib.import_module(module)
+        owners.append(getattr(owner, attribute) if attribute else owner)
+    saved = [(owner, dict(vars(owner))) for owner in owners]
+    try:
+        yield
+    finally:
+        for owner, kept in saved:
+            for key in set(vars(owner)) - set(kept):
+                delattr(owner, key)
+            for key, value in kept.items():
+                if vars(owner).get(key, _MISSING) is not value:
+                    setattr(owner, key, value)

@@ -43,9 +43,8 @@ put back after the run.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 GLOBAL_BATCH = 8  # rows: splits over 1, 2, 4 or 8 data-parallel ranks
@@ -321,32 +320,11 @@ PATCHABLE = (
 )
 
 
-@contextlib.contextmanager
-def _put_back(before: Callable[[], None] | None) -> Iterator[None]:
+def _put_back(before: Callable[[], None] | None) -> Any:
     """Restore the attributes of :data:`PATCHABLE` that ``before`` (a planted bug) replaced."""
-    if before is None:
-        yield
-        return
-    import importlib
+    from meshsim.own_steps import put_back
 
-    owners = []
-    for name in PATCHABLE:
-        module, _, attribute = name.partition(":")
-        owner = importlib.import_module(module)
-        owners.append(getattr(owner, attribute) if attribute else owner)
-    saved = [(owner, dict(vars(owner))) for owner in owners]
-    try:
-        yield
-    finally:
-        for owner, kept in saved:
-            for key in set(vars(owner)) - set(kept):
-                delattr(owner, key)
-            for key, value in kept.items():
-                if vars(owner).get(key, _MISSING) is not value:
-                    setattr(owner, key, value)
-
-
-_MISSING = object()
+    return put_back(before, PATCHABLE)
 
 
 def _train(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -> Any:
