@@ -194,6 +194,14 @@ def megatron_all_kinds(mod: Any, world: int, sizes5: dict[str, int]):  # type: i
                 out["position_embedding"] = [[r[0]] for r in out["pp"]]
         for token in MEGATRON_EXPERT_TOKENS:
             out[f"expert:{token}"] = expert.get_ranks(token)
+        # What initialize_model_parallel derives with one distributed-optimizer instance (its
+        # default): each gloo group holds its NCCL twin's ranks, the intra-instance groups are
+        # the whole data-parallel ones, and the one instance is every rank.
+        out["dp:gloo"] = out["dp"]
+        out["dp-cp:gloo"] = out["intra_dp_cp"] = out["intra_dp_cp:gloo"] = out["dp-cp"]
+        out["expert:dp:gloo"] = out["expert:intra_dp"] = out["expert:dp"]
+        out["expert:intra_dp:gloo"] = out["expert:dp"]
+        out["intra_dist_opt_instance"] = [list(range(world))]
         return out
 
     return go
