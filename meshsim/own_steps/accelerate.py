@@ -6,10 +6,18 @@ fsdp_version=2, ...))``; ``accelerator.prepare(model, optimizer, data_loader, sc
 which applies its FSDP2 (``fsdp2_prepare_model``: ``fully_shard`` per ``LlamaDecoderLayer`` and
 on the root, on the mesh ``fsdp_dim_names`` names, HSDP included), its DDP wrapper, or its
 tensor-parallel preparation (``_prepare_tp``) of a model transformers sharded with the model's
-own ``tp_plan``, and shards the data loader over the mesh's data-parallel ranks (TP peers load
-the same rows); then per step ``accelerator.backward``, ``accelerator.reduce(loss, "mean")`` (the
-logged loss), ``accelerator.clip_grad_norm_`` (max norm 0.5, which clips here), the AdamW step
-and the scheduler step (an ``AcceleratedScheduler``). The model is a tiny
+own ``tp_plan``, and shards the data loader over the mesh's data-parallel ranks (TP and CP
+peers load the same rows); with ``cp_size > 1`` it also prepares context parallelism
+(``_prepare_cp``: the rotate method, torch's ``context_parallel`` on the mesh's ``cp`` dim, the
+hooks that drop the attention mask for ``is_causal``), and FSDP2 shards over the flattened
+``dp_shard_cp``. Then per step, forward and ``accelerator.backward`` (inside
+``accelerator.maybe_context_parallel`` with cp, which shards the ids, labels and positions
+along the sequence and makes SDPA ring attention over cp; see :func:`_forward_backward`),
+``accelerator.reduce(loss, "mean")`` (the logged loss), ``accelerator.clip_grad_norm_`` (max
+norm 0.5, which clips here), the AdamW step and the scheduler step (an
+``AcceleratedScheduler``). Each row of the batch is packed as accelerate's CP example packs
+its data: the model reads the first 32 tokens, and the labels are the row shifted by one
+(``shift_labels``), so every position has a label and every cp rank as many. The model is a tiny
 ``LlamaForCausalLM`` (transformers 5.23, 2 layers, vocab 256), built in full on every rank from
 ``torch.manual_seed(ctx.seed)``; TP layouts hand its state dict to transformers'
 ``from_pretrained(distributed_config=DistributedConfig(tp_size=...))``, so every rank and the
@@ -19,7 +27,7 @@ once per step, as the serial twin does); ``dispatch_batches`` makes it accelerat
 ``DataLoaderDispatcher`` (rank 0 loads and broadcasts). The serial twin is one process with no
 ``ParallelismConfig`` and no plugin, accelerate's ``DistributedType.NO``.
 
-Two things stand in for a GPU launch, neither changing what is compared:
+Three things stand in for a GPU launch, none changing what is compared:
 
 * ``PartialState`` is filled from ``torch.distributed`` (the harness's group, its rank and
   size, device ``cpu``) instead of from launcher variables, with the distributed type a launch
@@ -35,6 +43,15 @@ Two things stand in for a GPU launch, neither changing what is compared:
   their state in class-level dicts (``SharedDict`` is a plain ``dict`` without torch_xla), one per
   process, so ranks in threads of one process would share one ``process_index``. Use gloo. The
   singletons are reset before and after each run, so a warm gloo worker runs the next layout.
+* With ``cp_size > 1``, CPU SDPA is routed to the attention op torch's CP handles
+  (:mod:`meshsim.own_steps.accelerate_cpu` explains it): torch 2.13's context parallelism
+  handles only the CUDA attention ops (flash, efficient, cuDNN); on a CPU, SDPA of its
+  sequence-sharded DTensors reaches ``aten._scaled_dot_product_flash_attention_for_cpu`` and
+  every rank raises ``NotImplementedError`` (no sharding strategy registered). The stand-in
+  gives ``aten._scaled_dot_product_flash_attention`` (and its backward) CPU kernels that call
+  the CPU flash kernels, so torch's own CP handler, sharding rules, load balancing and ring
+  (forward, backward and the log-sum-exp merge) run unchanged; only each block's kernel is the
+  CPU one, as the serial twin's is. The twin runs torch's SDPA as it is.
 
 ``before``, when given, runs on each rank (and in the twin) before anything is built: tests
 plant bugs there. What it patches on accelerate's classes and modules (:data:`PATCHABLE`) is
@@ -59,8 +76,9 @@ SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 
 WHAT_RUNS = (
     "accelerate's own step: Accelerator(parallelism_config=..., fsdp_plugin=FSDP2).prepare "
-    "(its fully_shard / DDP / TP preparation and data-loader sharding) of a tiny transformers "
-    "LlamaForCausalLM, accelerator.backward, reduce of the loss, clip_grad_norm_, AdamW"
+    "(its fully_shard / DDP / TP / CP preparation and data-loader sharding) of a tiny "
+    "transformers LlamaForCausalLM, maybe_context_parallel, accelerator.backward, reduce of the "
+    "loss, clip_grad_norm_, AdamW"
 )
 
 
@@ -97,20 +115,31 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
         )
     if _size(config, "sp_size") > 1:
         return f"{head} with sp_size={config['sp_size']}: sequence parallelism is DeepSpeed's"
-    if _size(config, "cp_size") > 1:
-        return (
-            f"{head} with cp_size={config['cp_size']}: accelerate's context parallelism "
-            "(maybe_context_parallel, torch's experimental context_parallel over the model's "
-            "SDPA) is not run yet"
-        )
     shard, tp = _size(config, "dp_shard_size"), _size(config, "tp_size")
-    replicate = _size(config, "dp_replicate_size")
-    if tp > 1 and replicate > 1 and shard == 1:
+    replicate, cp = _size(config, "dp_replicate_size"), _size(config, "cp_size")
+    if (tp > 1 or cp > 1) and replicate > 1 and shard == 1:
         return (
-            f"{head}: accelerate 1.15's ParallelismConfig refuses tp_size > 1 with pure "
-            "dp_replicate_size > 1 (ValueError: TP needs dp_shard_size > 1 to compose with DP)"
+            f"{head}: accelerate 1.15's ParallelismConfig refuses tp_size / cp_size > 1 with "
+            "pure dp_replicate_size > 1 (ValueError: TP and CP need dp_shard_size > 1 to "
+            "compose with DP)"
         )
-    if kind == "FSDP" and shard == 1:
+    if cp > 1 and SEQUENCE % cp:
+        return (
+            f"{head} with cp_size={cp}: the step's {SEQUENCE}-token rows do not split into "
+            f"{cp} equal sequence shards (torch's context_parallel chunks them evenly)"
+        )
+    if cp > 1 and config.get("dispatch_batches"):
+        return (
+            f"{head} with dispatch_batches and cp_size={cp}: accelerate's DataLoaderDispatcher "
+            "reads only the mesh's tp dim (submesh_tp) to hand peers the same rows, none for "
+            "cp; not run"
+        )
+    if kind == "MULTI_GPU" and cp > 1:
+        return (
+            f"{head} with distributed_type MULTI_GPU and cp_size={cp}: accelerate 1.15 "
+            "refuses context parallelism without the FSDP2 plugin (ValueError)"
+        )
+    if kind == "FSDP" and shard == 1 and cp == 1:
         return (
             f"{head}: FSDP with dp_shard_size=1 and cp_size=1 has no dimension to shard across "
             "(accelerate's _validate_accelerator raises ValueError)"
@@ -167,10 +196,12 @@ def _fsdp_tp_refusal() -> str | None:
 
 
 def batch(step: int) -> Any:
-    """A step's global batch: token ids; the model shifts them into labels."""
+    """A step's global batch: packed rows of ``SEQUENCE + 1`` token ids. The model reads the
+    first ``SEQUENCE`` of each row; the labels are the row shifted by one (see
+    :func:`_forward_backward`)."""
     import torch
 
-    return torch.randint(0, VOCABULARY, (GLOBAL_BATCH, SEQUENCE), dtype=torch.int64)
+    return torch.randint(0, VOCABULARY, (GLOBAL_BATCH, SEQUENCE + 1), dtype=torch.int64)
 
 
 def step(
@@ -301,7 +332,7 @@ def _step(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) -
         _shims.load("accelerate", "transformers")
         _reset_state()
         try:
-            with _put_back(before):
+            with _put_back(before), _cpu_stand_ins(config, ctx):
                 return _train(config, before, ctx)
         finally:
             _reset_state()
@@ -317,7 +348,20 @@ PATCHABLE = (
     "accelerate.utils.fsdp_utils",
     "accelerate.utils.operations",
     "meshsim.own_steps.accelerate",
+    "torch.nn.functional",  # its scaled_dot_product_attention, under CP
 )
+
+
+def _cpu_stand_ins(config: Mapping[str, Any], ctx: Any) -> Any:
+    """With cp > 1 on the N ranks: CPU SDPA routed to torch's CP ring attention
+    (:mod:`meshsim.own_steps.accelerate_cpu`); nothing otherwise, and nothing in the twin."""
+    import contextlib
+
+    from meshsim.own_steps.accelerate_cpu import ring_attention_on_cpu
+
+    if ctx.serial or _size(config, "cp_size") == 1:
+        return contextlib.nullcontext()
+    return ring_attention_on_cpu()
 
 
 def _put_back(before: Callable[[], None] | None) -> Any:
@@ -355,9 +399,8 @@ def _train(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) 
 
     optimizer.optimizer.register_step_pre_hook(before_update)
     model.train()
-    for input_ids in loader:
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        accelerator.backward(loss)
+    for packed in loader:
+        loss = _forward_backward(accelerator, model, packed)
         logged["loss"] = accelerator.reduce(loss.detach(), reduction="mean")
         norm = accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         logged["grad_norm"] = norm.detach().clone()
@@ -365,6 +408,36 @@ def _train(config: dict[str, Any], before: Callable[[], None] | None, ctx: Any) 
         scheduler.step()
         optimizer.zero_grad()
     return model
+
+
+def _forward_backward(accelerator: Any, model: Any, packed: Any) -> Any:
+    """The loss of one batch of packed rows, and its backward, as accelerate's own CP example
+    (``examples/torch_native_parallelism/nd_parallel.py``) computes them: the model reads the
+    first ``SEQUENCE`` tokens of each row at positions ``0 .. SEQUENCE - 1``, and the labels are
+    the row shifted by one, handed over as ``shift_labels`` (under CP each rank holds chunks of
+    the sequence, at whose ends transformers' own shift would misalign the labels). With cp > 1
+    the ids, labels and positions are the buffers ``accelerator.maybe_context_parallel`` shards
+    over the sequence, and forward and backward run inside it, as the ring attention's backward
+    needs; without cp it is not entered (it would only warn)."""
+    import contextlib
+
+    import torch
+
+    # Copies: torch's context_parallel resizes its buffers in place.
+    input_ids = packed[:, :-1].clone(memory_format=torch.contiguous_format)
+    labels = packed[:, 1:].clone(memory_format=torch.contiguous_format)
+    positions = torch.arange(input_ids.size(1)).unsqueeze(0)
+    parallelism = accelerator.parallelism_config
+    context: Any = contextlib.nullcontext()
+    if parallelism is not None and parallelism.cp_enabled:
+        buffers = [input_ids, labels, positions]
+        context = accelerator.maybe_context_parallel(
+            buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+        )
+    with context:
+        out = model(input_ids=input_ids, labels=labels, shift_labels=labels, position_ids=positions)
+        accelerator.backward(out.loss)
+    return out.loss
 
 
 def _quiet_transformers() -> None:

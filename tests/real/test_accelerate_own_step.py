@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from meshsim.errors import SerialMismatch, UsageError
+from meshsim.errors import RankFailure, SerialMismatch, UsageError
 from meshsim.usage.recipe import check_equivalence
 from tests.real._helpers import require
 
@@ -26,6 +26,8 @@ TP = {"tp_size": 2}
 HSDP = {"dp_replicate_size": 2, "dp_shard_size": 2}
 TP4 = {"tp_size": 4}
 DDP_DISPATCH = {"dp_replicate_size": 2, "dispatch_batches": True}  # rank 0 loads
+CP = {"cp_size": 2}  # FSDP2 over dp_shard_cp (the cp ranks), ring attention over cp
+FSDP_CP = {"dp_shard_size": 2, "cp_size": 2}
 
 
 def _planted(world: int, config: dict[str, Any], before: Any) -> Any:
@@ -47,8 +49,10 @@ def _planted(world: int, config: dict[str, Any], before: Any) -> Any:
         pytest.param(2, DDP_DISPATCH, marks=pytest.mark.slow),  # CI time: the same paths
         pytest.param(4, HSDP, marks=pytest.mark.slow),
         pytest.param(4, TP4, marks=pytest.mark.slow),
+        (2, CP),
+        pytest.param(4, FSDP_CP, marks=pytest.mark.slow),  # 100 s under load
     ],
-    ids=["fsdp2", "ddp", "tp", "ddp-dispatch", "hsdp-4", "tp-4"],
+    ids=["fsdp2", "ddp", "tp", "ddp-dispatch", "hsdp-4", "tp-4", "cp", "fsdp+cp-4"],
 )
 def test_accelerates_own_step_matches_its_serial_twin(world: int, config: dict[str, Any]) -> None:
     result = check_equivalence("accelerate", world, "gloo", real=True, timeout=600, **config)
@@ -72,6 +76,97 @@ def test_tensor_parallel_peers_fed_different_rows_are_named() -> None:
     first = str(info.value).splitlines()[0]
     assert first.startswith("grad of `model."), first
     assert "a different batch" in first, first
+
+
+def test_context_parallel_peers_fed_different_rows_are_named() -> None:
+    """The same loader without the mesh under CP: it shards the batch over the two cp ranks as
+    if they were data parallel (4 rows each), and CP then splits each rank's own rows along the
+    sequence, so the ring attends across two different batches."""
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, CP, _loader_without_the_mesh)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("grad of `model."), first
+    assert "a different batch" in first, first
+
+
+def _fsdp_over_dp_shard_only() -> None:
+    """accelerate's FSDP2 mesh without the cp dim (``ParallelismConfig.fsdp_dim_names`` naming
+    ``dp_shard`` where accelerate names the flattened ``dp_shard_cp``): the cp peers, each
+    holding half of every sequence, keep replicas whose gradients are never averaged over cp."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    def fsdp_dim_names(self: Any) -> list[str]:
+        return (["dp_replicate"] if self.dp_replicate_enabled else []) + ["dp_shard"]
+
+    ParallelismConfig.fsdp_dim_names = property(fsdp_dim_names)
+
+
+@pytest.mark.slow  # world 4: 90 s under load
+def test_gradients_not_averaged_over_context_parallel_ranks_are_named() -> None:
+    with pytest.raises(SerialMismatch) as info:
+        _planted(4, FSDP_CP, _fsdp_over_dp_shard_only)
+    message = str(info.value)
+    first = message.splitlines()[0]
+    assert first.startswith("grad of `model.embed_tokens.weight` at step 1"), first
+    assert "a member missing from a reduction (a partial sum)" in first, first
+    # the two cp coordinates (ranks 0, 2 and 1, 3 in the mesh dp_shard x cp) hold two values
+    assert "differs between replicas: ranks 0, 2 hold one value, ranks 1, 3 another" in message
+
+
+def _attention_within_each_ranks_chunk() -> None:
+    """What a CPU attention that ignored the sequence sharding would compute, silently: each cp
+    rank's queries against its own chunk of keys and values only, no ring."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    builtin = torch._C._nn.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(query: Any, key: Any, value: Any, *args: Any, **kw: Any):
+        if not isinstance(query, DTensor):
+            return builtin(query, key, value, *args, **kw)
+        local = builtin(query.to_local(), key.to_local(), value.to_local(), *args, **kw)
+        return DTensor.from_local(local, query.device_mesh, query.placements, run_check=False)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def test_attention_within_each_ranks_chunk_is_named() -> None:
+    """The silent failure a CPU context parallelism could have (torch 2.13's raises instead):
+    the check fails on the first parameter whose gradient the missing keys change."""
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, CP, _attention_within_each_ranks_chunk)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("grad of `model."), first
+    assert "at step 1" in first, first
+    import torch
+    import torch.nn.functional as F
+
+    # put back in this process too, where the serial twin ran the planted hook
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def _torchs_own_cpu_sdpa() -> None:
+    """The step without its CPU stand-in: torch's SDPA as it is, which CP patches."""
+    import torch
+    import torch.nn.functional as F
+
+    F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention
+
+
+@pytest.mark.slow  # a control: what the stand-in is for (meshsim/own_steps/accelerate_cpu.py)
+def test_context_parallel_on_cpu_needs_the_stand_in() -> None:
+    """torch 2.13's context parallelism has no CPU attention: on a CPU, SDPA of CP's DTensors
+    dispatches to ``_scaled_dot_product_flash_attention_for_cpu``, which neither CP nor DTensor
+    handles, and every rank raises (loudly: no rank attends to its own chunk only). When a
+    torch handles it, this test fails, and the stand-in can go."""
+    with pytest.raises(RankFailure) as info:
+        _planted(2, CP, _torchs_own_cpu_sdpa)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(
+        "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
+        "does not have a sharding strategy registered. (ranks 0, 1)"
+    ), first
 
 
 def _clip_with_local_norm() -> None:
@@ -136,11 +231,12 @@ def test_threaded_ranks_are_refused_with_the_reason() -> None:
     ("world", "config", "reason"),
     [
         (4, {"dp_shard_size": 2, "tp_size": 2}, r"ReplicateParallel from transformers"),
-        (2, {"dp_shard_size": 1, "cp_size": 2}, r"cp_size=2: accelerate's context parallelism"),
+        (2, {"cp_size": 2, "dispatch_batches": True}, r"DataLoaderDispatcher reads only"),
+        (3, {"cp_size": 3}, r"rows do not split into 3 equal sequence shards"),
         (2, {"sp_size": 2}, r"DeepSpeed's engine"),
         (2, {"tp_size": 2, "dispatch_batches": True}, r"DataLoaderDispatcher hands TP peers"),
     ],
-    ids=["fsdp2+tp", "cp", "sp", "tp-dispatch"],
+    ids=["fsdp2+tp", "cp-dispatch", "cp-3", "sp", "tp-dispatch"],
 )
 def test_layouts_the_step_does_not_run_are_refused_with_the_reason(
     world: int, config: dict[str, Any], reason: str
