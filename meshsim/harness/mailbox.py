@@ -42,9 +42,11 @@ class _Receive:
     source: int = -1
 
     def fill(self, src: int, data: Any) -> None:
-        """Copy ``data`` in when it fits (same dtype and size); mark the receive complete."""
+        """Copy ``data`` in when it fits (same dtype and size); mark the receive complete.
+        The copy bypasses autograd, as a backend's write does: a pipeline stage receives its
+        input into a leaf buffer that requires grad."""
         if data.dtype == self.tensor.dtype and data.numel() == self.tensor.numel():
-            self.tensor.copy_(data.reshape(self.tensor.shape))
+            self.tensor.detach().copy_(data.reshape(self.tensor.shape))
         self.source = src
         self.done.set()
 

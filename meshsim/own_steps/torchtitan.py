@@ -35,6 +35,15 @@ Two choices keep the comparison exact, and neither changes what is checked:
 * each rank takes its rows of the global batch as torchtitan's loader would: the
   ``batch`` mesh's size and local rank pick the rows.
 
+A layout with pipeline parallelism (``pp > 1``, with FSDP or TP) runs the trainer's pp path:
+llama3's ``pipeline_llm`` cuts the model into stages, parallelizes each and builds the schedule
+from ``pipeline_parallel_schedule`` (the debug config's ``Interleaved1F1B`` unless
+``step(config, schedule=...)`` names another); ``train_step``'s pp branch runs it over
+microbatches of one row, each loss divided by the step's global valid-token count, the loss
+on the last stage; ``clip_grad_norm_`` reduces the norm over ``pp_mesh``; the optimizer runs
+over every model part. Each rank records its stages' parameters under the full model's names.
+:mod:`meshsim.own_steps.torchtitan_pp` holds that path and says what it replaces.
+
 torchtitan's accelerator-only pieces are replaced by CPU computations of the same numbers
 (:mod:`meshsim.own_steps.torchtitan_cpu` says each and why). ``before``, when given, runs on
 each rank (and in the twin) before anything is built: tests plant bugs there.
@@ -71,8 +80,9 @@ WHAT_RUNS = (
     "torchtitan's own debug-model step: the llama3 model through parallelize_llama, or with "
     "ep>1 the deepseek_v3 MoE model through parallelize_deepseekv3 (EP all-to-all, experts' "
     "FSDP over efsdp, load-balancing bias update); inputs split over cp by "
-    "prepare_context_parallel_input; ChunkedLossWrapper loss over the global valid-token "
-    "count, clip_grad_norm_, AdamW"
+    "prepare_context_parallel_input; with pp>1 pipeline_llm's stages (each parallelized) "
+    "and its pipeline schedule over microbatches; ChunkedLossWrapper loss over the global "
+    "valid-token count, clip_grad_norm_ (with pp_mesh), AdamW over every model part"
 )
 
 
@@ -82,7 +92,11 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
         version = config["version"]
         return f"torchtitan's own step runs torchtitan 0.3.0 (version 'current'), not {version!r}"
     if int(config.get("pp", 1)) > 1:
-        return "torchtitan's own step with pp>1: its pipeline schedules are not run yet"
+        from meshsim.own_steps import torchtitan_pp
+
+        reason = torchtitan_pp.refusal(world_size, config)
+        if reason is not None:
+            return reason
     cp = int(config.get("cp", 1))
     if cp > 1 and sequence_length(config) > LONGEST:
         return f"torchtitan's own step with cp={cp}: its batch rows hold {LONGEST} tokens"
@@ -166,17 +180,53 @@ def step(
     before: Callable[[], None] | None = None,
     *,
     experts: bool | None = None,
+    schedule: str | None = None,
 ) -> Callable[[Any], Any]:
     """The step function for :func:`meshsim.assert_matches_serial`. ``experts`` picks the
     model: None runs the MoE model exactly when ``ep > 1``; True runs it with any layout (with
-    ep=1 and tp > 1 torchtitan shards the experts' hidden dimension over tp instead)."""
-    return functools.partial(_step, dict(config), before, experts)
+    ep=1 and tp > 1 torchtitan shards the experts' hidden dimension over tp instead).
+    ``schedule`` is torchtitan's ``pipeline_parallel_schedule`` for a layout with pp > 1
+    (None: its debug config's own, ``Interleaved1F1B``)."""
+    return functools.partial(_step, dict(config), before, experts, schedule)
+
+
+def _prepare(
+    model: Any, parallel_dims: Any, par: Any, inputs: Any, labels: Any, positions: Any
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The trainer's ``post_dataloading_process`` of a batch (with pp, of each microbatch):
+    attention masks from the positions, the cp split with the configured load balancer, the
+    inputs as the spmd backend takes them."""
+    import torch
+    from torchtitan.distributed import full_dtensor
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+    extra: dict[str, Any] = {"positions": positions}
+    extra["attention_masks"] = model.get_attention_masks(positions=positions)
+    if parallel_dims.cp_enabled:
+        inputs, labels, extra = prepare_context_parallel_input(
+            inputs,
+            labels,
+            extra,
+            parallel_dims.get_mesh("cp"),
+            torch.device("cpu"),
+            par.context_parallel_load_balancer,
+            par.context_parallel_ptrr_mask_key,
+        )
+    if par.spmd_backend == "full_dtensor":
+        inputs, labels, extra = full_dtensor.parallelize_inputs(
+            parallel_dims, inputs, labels, extra
+        )
+    elif par.spmd_backend == "spmd_types":
+        inputs, labels, extra = annotate_input_spmd_types(parallel_dims, inputs, labels, extra)
+    return inputs, labels, extra
 
 
 def _step(
     config: dict[str, Any],
     before: Callable[[], None] | None,
     experts: bool | None,
+    schedule: str | None,
     ctx: Any,
 ) -> Any:
     import torch
@@ -197,11 +247,10 @@ def _step(
 
     import spmd_types
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
-    from torchtitan.distributed import full_dtensor
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
-    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.tools import utils
+
+    from meshsim.own_steps import torchtitan_pp as pipelining
 
     moe = uses_experts(config) if experts is None else experts
     dims_config = {**config, **dict.fromkeys(DEGREES, 1)} if ctx.serial else config
@@ -212,6 +261,8 @@ def _step(
     # The trainer's parallelism config, as ParallelDims resolved it (a -1 degree inferred).
     for field, dim in PARALLELISM_FIELDS.items():
         setattr(par, field, getattr(parallel_dims, dim))
+    if schedule is not None:
+        par.pipeline_parallel_schedule = schedule
     seq = sequence_length(config)
     trainer.training.seq_len = seq
     trainer.training.mixed_precision_param = "float32"  # compared in float32, not bfloat16
@@ -238,27 +289,38 @@ def _step(
         model = model_config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    model = trainer.model_spec.parallelize_fn(
-        model,
-        parallel_dims=parallel_dims,
-        training=trainer.training,
-        parallelism=par,
-        compile_config=trainer.compile,
-        ac_config=trainer.activation_checkpoint,
-        dump_folder=trainer.dump_folder,
-    )
-    model.train()
-    cpu.sum_reduction(model)
-
     loss_fn = trainer.loss.build(compile_config=trainer.compile)
-    if isinstance(loss_fn, ChunkedLossWrapper):
-        loss_fn.set_lm_head(model.lm_head)
-        model._skip_lm_head = True
-    optimizers = trainer.optimizer.build(model_parts=[model])
+    pipeline = None
+    if parallel_dims.pp_enabled:  # torchtitan's stages and schedule (torchtitan_pp)
+        pipeline = pipelining.build(trainer, model, parallel_dims, loss_fn)
+        parts = pipeline.parts
+    else:
+        parts = [
+            trainer.model_spec.parallelize_fn(
+                model,
+                parallel_dims=parallel_dims,
+                training=trainer.training,
+                parallelism=par,
+                compile_config=trainer.compile,
+                ac_config=trainer.activation_checkpoint,
+                dump_folder=trainer.dump_folder,
+            )
+        ]
+    for part in parts:
+        part.train()
+        cpu.sum_reduction(part)
+    # With pp only the last stage holds lm_head; this rank's stages are recorded as one model.
+    last_stage = pipeline is None or pipeline.last
+    model = parts[0] if pipeline is None else pipelining.Stages(parts)
+
+    if isinstance(loss_fn, ChunkedLossWrapper) and last_stage:
+        loss_fn.set_lm_head(parts[-1].lm_head)
+        parts[-1]._skip_lm_head = True
+    optimizers = trainer.optimizer.build(model_parts=parts)
     if trainer.model_spec.post_optimizer_build_fn is not None:
         # The MoE models' expert-bias update (auxiliary-loss-free load balancing), an
         # optimizer step pre-hook, exactly as torchtitan's trainer registers it.
-        trainer.model_spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
+        trainer.model_spec.post_optimizer_build_fn(optimizers, parts, parallel_dims)
     # The step is recorded as the optimizer step begins, after that hook: the expert biases
     # it has just updated from this step's token counts, no parameter moved yet.
     logged_values: dict[str, Any] = {}
@@ -281,30 +343,21 @@ def _step(
         valid = (labels != IGNORE_INDEX).sum()
         if batch_mesh is not None:
             valid = dist_utils.dist_sum_tensor(valid, batch_mesh)
-        extra: dict[str, Any] = {"positions": positions}
-        extra["attention_masks"] = model.get_attention_masks(positions=positions)
-        if parallel_dims.cp_enabled:
-            inputs, labels, extra = prepare_context_parallel_input(
-                inputs,
-                labels,
-                extra,
-                parallel_dims.get_mesh("cp"),
-                torch.device("cpu"),
-                par.context_parallel_load_balancer,
-                par.context_parallel_ptrr_mask_key,
+        prepare = functools.partial(_prepare, parts[0], parallel_dims, par)
+        if pipeline is not None:  # train_step's pp branch
+            microbatch = par.pipeline_parallel_microbatch_size
+            loss = pipelining.forward_backward(
+                pipeline, prepare, microbatch, inputs, labels, positions, valid, context
             )
-        if par.spmd_backend == "full_dtensor":
-            inputs, labels, extra = full_dtensor.parallelize_inputs(
-                parallel_dims, inputs, labels, extra
-            )
-        elif par.spmd_backend == "spmd_types":
-            inputs, labels, extra = annotate_input_spmd_types(parallel_dims, inputs, labels, extra)
-        with context():
-            loss, _ = loss_fn(model(inputs, **extra), labels, valid, positions=extra["positions"])
-            with spmd_types.no_typecheck():
-                loss.backward()
+        else:
+            inputs, labels, extra = prepare(inputs, labels, positions)
+            with context():
+                pred = parts[0](inputs, **extra)
+                loss, _ = loss_fn(pred, labels, valid, positions=extra["positions"])
+                with spmd_types.no_typecheck():
+                    loss.backward()
         grad_norm = dist_utils.clip_grad_norm_(
-            list(model.parameters()),
+            [p for part in parts for p in part.parameters()],
             trainer.training.max_norm,
             foreach=True,
             pp_mesh=parallel_dims.get_optional_mesh("pp"),
@@ -314,7 +367,8 @@ def _step(
         logged = loss.detach()
         if parallel_dims.dp_cp_enabled:
             logged = dist_utils.dist_sum(logged, parallel_dims.get_optional_mesh("loss"))
-        logged_values.update(loss=torch.tensor(float(logged), dtype=torch.float32))
+        if last_stage:  # with pp the other stages hold torchtitan's -1
+            logged_values.update(loss=torch.tensor(float(logged), dtype=torch.float32))
         logged_values.update(grad_norm=grad_norm)
         optimizers.step()  # records the step (the hook above), then updates
         schedulers.step()

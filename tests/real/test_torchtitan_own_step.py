@@ -1,8 +1,9 @@
 """torchtitan 0.3.0's own training step against its serial twin (``meshsim.own_steps``).
 
 The step is torchtitan's: ``parallelize_llama`` on the llama3 debug model (with ``ep > 1``,
-``parallelize_deepseekv3`` on the deepseek_v3 MoE debug model), its loss over the global
-valid-token count, ``clip_grad_norm_`` and AdamW. Passing layouts must pass; bugs planted in
+``parallelize_deepseekv3`` on the deepseek_v3 MoE debug model; with ``pp > 1``, llama3's
+``pipeline_llm`` stages and pipeline schedule), its loss over the global valid-token count,
+``clip_grad_norm_`` and AdamW. Passing layouts must pass; bugs planted in
 copies of torchtitan's own functions (through the step's ``before`` hook, inside every rank)
 must fail, naming the parameter and the likely mistake.
 """
@@ -25,6 +26,8 @@ FSDP2 = {"dp_shard": 2, "spmd_backend": "partial_dtensor"}
 CP2 = {"dp_shard": 1, "cp": 2, "spmd_backend": "partial_dtensor"}
 #: Expert parallelism over both ranks (ep borrows fsdp's ranks: efsdp is 1).
 EP2 = {"dp_shard": 2, "ep": 2, "spmd_backend": "partial_dtensor"}
+#: Pipeline parallelism over both ranks: pipeline_llm's stages, its schedule over microbatches.
+PP2 = {"dp_shard": 1, "pp": 2, "spmd_backend": "partial_dtensor"}
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +37,7 @@ def _torchtitan_restored() -> Any:
 
     torchtitan_cpu.stub_triton_kernels()
     import torchtitan.distributed.fsdp as fsdp
+    import torchtitan.distributed.pipeline_parallel as pipeline_parallel
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.models.deepseek_v3 as deepseek_v3
     from torchtitan.components.loss import ChunkedLossWrapper
@@ -43,6 +47,7 @@ def _torchtitan_restored() -> Any:
         ChunkedLossWrapper.__call__,
         deepseek_v3.register_moe_load_balancing_hook,
         fsdp.fully_shard,
+        pipeline_parallel._build_pipeline_schedule,
     )
     yield
     (
@@ -50,17 +55,21 @@ def _torchtitan_restored() -> Any:
         ChunkedLossWrapper.__call__,
         deepseek_v3.register_moe_load_balancing_hook,
         fsdp.fully_shard,
+        pipeline_parallel._build_pipeline_schedule,
     ) = kept
 
 
-def _own_step(world: int, config: dict[str, Any], before: Any = None) -> Any:
-    """``check_equivalence`` with a bug planted by ``before`` on every rank and the twin."""
-    if before is None:
+def _own_step(
+    world: int, config: dict[str, Any], before: Any = None, schedule: str | None = None
+) -> Any:
+    """``check_equivalence`` with a bug planted by ``before`` on every rank and the twin, or
+    another pipeline ``schedule`` than torchtitan's debug config's own."""
+    if before is None and schedule is None:
         return check_equivalence("torchtitan", world, "threaded", real=True, timeout=300, **config)
     from meshsim.own_steps import torchtitan as own
     from meshsim.usage.serial import assert_matches_serial
 
-    step = own.step(config, before=before)
+    step = own.step(config, before=before, schedule=schedule)
     return assert_matches_serial(
         step, world, "torchtitan", backend="threaded", batch=own.batch, timeout=300, **config
     )
@@ -134,6 +143,87 @@ def test_a_loss_normalised_over_the_wrong_dims_is_named() -> None:
     assert "but the logged `loss` at step 1 is 2x the serial one, a clean ratio" in first
     loss = [line for line in lines if line.startswith("logged `loss` at step 1 on ranks 0, 1")]
     assert loss and "is 2x the serial one" in loss[0] and "a count 2x too small" in loss[0]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [None, "1F1B", pytest.param("GPipe", marks=pytest.mark.slow)],
+    ids=["interleaved1f1b", "1f1b", "gpipe"],
+)
+def test_torchtitans_own_pp_step_matches_its_serial_twin(schedule: str | None) -> None:
+    """pp=2 on 2 ranks: pipeline_llm's stages, torchtitan's schedule over 8 microbatches of
+    one row (None: its debug config's own, Interleaved1F1B, two stages a rank), the loss on
+    the last stage, clip_grad_norm_ over pp_mesh; every stage's parameters by their names.
+    36 to 100 s each on 2 shared cores (load average 5 to 25)."""
+    result = _own_step(2, PP2, schedule=schedule)
+    if schedule is None:  # through check_equivalence, as `meshsim verify --real` runs it
+        assert result.passed, result.error
+        assert "pipeline_llm" in result.step
+    else:  # a name in the serial model that no stage recorded would be a finding
+        assert result.comparison.passed and result.comparison.compared > 100
+
+
+@pytest.mark.slow  # 65 to 140 s on 2 loaded cores
+def test_torchtitans_own_pp_step_with_fsdp_matches_its_serial_twin() -> None:
+    """pp=2 with dp_shard=2 on 4 ranks: each stage FSDP-sharded over its 2 ranks, 4
+    microbatches a rank."""
+    result = _own_step(4, {**PP2, "dp_shard": 2})
+    assert result.passed, result.error
+
+
+def _pp_loss_per_microbatch_mean() -> None:
+    """torchtitan's pipeline schedule built with a loss that normalises each microbatch by its
+    own valid tokens (``global_valid_tokens`` dropped from ``loss_kwargs``): each microbatch's
+    loss is a mean, and the schedule sums them, so the step's loss and gradients are
+    n_microbatches times the serial ones (a pp loss scaling that forgets to divide by the
+    number of microbatches)."""
+    import torchtitan.distributed.pipeline_parallel as pipeline_parallel
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    build = pipeline_parallel._build_pipeline_schedule
+
+    def per_microbatch_mean(*, loss_fn: Any, **kwargs: Any) -> Any:
+        def mean(pred: Any, labels: Any, global_valid_tokens: Any = None, **kw: Any) -> Any:
+            return loss_fn(pred, labels, (labels != IGNORE_INDEX).sum(), **kw)
+
+        return build(loss_fn=mean, **kwargs)
+
+    pipeline_parallel._build_pipeline_schedule = per_microbatch_mean
+
+
+def test_a_pp_loss_not_divided_over_the_microbatches_is_named() -> None:
+    from meshsim.errors import SerialMismatch
+
+    with pytest.raises(SerialMismatch) as info:
+        _own_step(2, PP2, before=_pp_loss_per_microbatch_mean)
+    lines = [f.line for f in info.value.comparison.findings]
+    first = lines[0]
+    # 8x before clipping (max_norm 1.0), which rescales them to another factor; the first
+    # stage's first parameter is named, pointed at the logged loss (last stage only).
+    assert first.startswith("grad of `tok_embeddings.weight` at step 1 on rank 0"), first
+    assert "but the logged `loss` at step 1 is 8x the serial one, a clean ratio" in first
+    loss = [line for line in lines if line.startswith("logged `loss` at step 1 on rank 1 ")]
+    assert loss and "is 8x the serial one" in loss[0], lines
+
+
+def test_torchtitans_pp_step_needs_torch_2_15s_presplit_schedule_step(monkeypatch: Any) -> None:
+    """torchtitan 0.3.0 hands ``pp_schedule.step`` its own microbatches (``arg_mbs=``, ...),
+    torch 2.15's signature; torch 2.13's ``step`` takes them as model inputs and raises. The
+    own step's stand-in (``torchtitan_pp.presplit_step``) is what makes it run there."""
+    from meshsim.errors import RankFailure
+    from meshsim.own_steps import torchtitan as own
+    from meshsim.own_steps import torchtitan_pp
+    from meshsim.torch_private import torch_version
+    from meshsim.usage.serial import assert_matches_serial
+
+    if torch_version() >= (2, 15):
+        pytest.skip("torch 2.15's schedules take pre-split microbatches: nothing stands in")
+    monkeypatch.setattr(torchtitan_pp, "presplit_step", lambda schedule: None)
+    with pytest.raises(RankFailure, match=r"Expecting 8 arg_mbs but got 1"):
+        assert_matches_serial(
+            own.step(PP2, schedule="1F1B"), 2, "torchtitan", backend="threaded",
+            batch=own.batch, timeout=300, **PP2,
+        )  # fmt: skip
 
 
 def test_an_expert_parallel_layout_runs_the_moe_model_and_matches_its_twin() -> None:
@@ -233,8 +323,15 @@ def test_expert_gradients_not_reduced_over_efsdp_are_named() -> None:
 
 
 def test_layouts_the_step_does_not_run_are_refused_with_the_reason() -> None:
-    with pytest.raises(UsageError, match=r"pp>1: its pipeline schedules"):
-        check_equivalence("torchtitan", 4, "threaded", real=True, dp_shard=2, pp=2)
+    with pytest.raises(UsageError, match=r"pp=8: .*Interleaved1F1B.*Number of stages \(16\)"):
+        check_equivalence(
+            "torchtitan", 8, "threaded", real=True, pp=8, spmd_backend="partial_dtensor"
+        )
+    with pytest.raises(UsageError, match=r"pp>1 and ep>1 is not run yet: its expert-bias"):
+        check_equivalence(
+            "torchtitan", 4, "threaded", real=True, dp_shard=2, pp=2, ep=2,
+            spmd_backend="partial_dtensor",
+        )  # fmt: skip
     with pytest.raises(UsageError, match=r"no expert tensor-parallel degree.*leave etp out"):
         check_equivalence("torchtitan", 4, "threaded", real=True, tp=2, ep=2, etp=2)
     with pytest.raises(UsageError, match=r"needs real collectives"):
@@ -260,3 +357,17 @@ def test_the_default_spmd_types_backend_is_refused_before_torch_2_15() -> None:
             own.step({"dp_shard": 2}), 2, "torchtitan", backend="threaded", batch=own.batch,
             timeout=300, dp_shard=2,
         )  # fmt: skip
+
+
+def test_full_dtensor_on_three_mesh_dims_is_refused_for_its_cost_not_run() -> None:
+    """A world-8 ``full_dtensor`` step over three dims ran past 15 minutes on 2 cores inside
+    torch's DTensor sharding propagation (measured; a sweep would time it out and call it a
+    failure). The step refuses it with the cause; two dims and ``partial_dtensor`` still run."""
+    from meshsim.own_steps import torchtitan as own
+
+    hsdp_cp = {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "spmd_backend": "full_dtensor"}
+    assert "3 mesh dims (cp, dp_replicate, dp_shard)" in own.refusal(8, hsdp_cp)
+    inferred = {"dp_shard": -1, "cp": 2, "tp": 2, "spmd_backend": "full_dtensor"}
+    assert "_StridedShard" in own.refusal(8, inferred)
+    assert own.refusal(8, {**hsdp_cp, "spmd_backend": "partial_dtensor"}) is None
+    assert own.refusal(4, {"dp_shard": 2, "tp": 2, "spmd_backend": "full_dtensor"}) is None
