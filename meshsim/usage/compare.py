@@ -462,11 +462,14 @@ def _point_to_logged_ratios(findings: list[Finding]) -> list[Finding]:
     loss scale made 2x to some other factor, and a norm computed from each rank's own shards
     rescales each rank differently; the logged loss or norm still shows it."""
     pointers: dict[int, str] = {}
+    # Replicas whose gradients already differ explain a norm that differs between ranks (a
+    # reduction missed a dim): no clipping needs to be blamed there.
+    drifted = {f.step for f in findings if f.section == "grads" and "between replicas" in f.line}
     for f in findings:
         if f.section != "values" or f.step in pointers:
             continue
         what = f.line.split(" on ", 1)[0].removeprefix("logged ")  # "`loss` at step 1"
-        if "that differs between ranks" in f.line:
+        if "that differs between ranks" in f.line and f.step not in drifted:
             pointers[f.step] = (
                 f"the logged {what} differs between ranks: a clipping norm from each rank's "
                 "own shards rescales each rank's gradients differently"

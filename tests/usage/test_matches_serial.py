@@ -226,3 +226,26 @@ def test_replicas_that_drift_apart_are_named_without_claiming_the_rest_agree(
     lines = str(raised.value).splitlines()
     drift = [line for line in lines if "differs between replicas" in line]
     assert drift and words in drift[0], lines[:6]
+
+
+def test_a_norm_that_differs_because_replicas_drifted_blames_no_clipping() -> None:
+    """A gradient norm differs between ranks either because each rank clipped by its own
+    shards' norm, or because the replicas' gradients already differ (a reduction missed a
+    dim). Only the first gets the clipping hint: with drifted replicas it would send a user
+    hunting through correct clipping code (accelerate's FSDP mesh without cp did that)."""
+    from meshsim.usage.compare import NO_RATIO, Finding, _point_to_logged_ratios
+
+    grad = Finding(
+        "grads", 1, "w", (0, 1), f"grad of `w` at step 1 on ranks 0, 1 differs: {NO_RATIO}"
+    )
+    norm = Finding(
+        "values", 1, "grad_norm", (0, 1),
+        "logged `grad_norm` at step 1 on ranks 0, 1 is a value that differs between ranks",
+    )  # fmt: skip
+    drift = Finding(
+        "grads", 1, "w", (0, 1), "grad of `w` at step 1 differs between replicas: rank 0 ..."
+    )
+    alone = _point_to_logged_ratios([grad, norm])
+    assert "a clipping norm from each rank's own shards" in alone[0].line
+    drifted = _point_to_logged_ratios([grad, drift, norm])
+    assert drifted[0].line == grad.line
