@@ -23,20 +23,30 @@ FSDP = {"dp": "fsdp"}
 FSDP_TP = {"dp": "fsdp", "tp": 2}
 
 
+#: What the planted bugs below replace (module globals and class attributes).
+PATCHED = (
+    "olmo_core.train.train_module.transformer.train_module",
+    "olmo_core.train.train_module.transformer.train_module:TransformerTrainModule",
+    "olmo_core.nn.lm_head:LMHead",
+    "olmo_core.nn.moe.router",
+    "olmo_core.nn.moe.router:MoERouter",
+    "olmo_core.nn.moe.mlp:MoEMLP",
+    "olmo_core.nn.moe.mlp:MoEMLPBase",
+)
+
+
 @pytest.fixture(autouse=True)
 def _olmo_restored() -> Iterator[None]:
     """Threaded ranks share this process: put back what a planted bug replaced."""
     from meshsim.builders.real import _shims
+    from meshsim.own_steps import put_back
 
     _shims.load("olmo_core", "olmo_core.train.train_module.transformer.train_module")
-    from olmo_core.train.train_module.transformer import train_module
-
-    kept = (train_module.TransformerTrainModule._clip_grad_norm, train_module.get_dp_process_group)
-    yield
-    train_module.TransformerTrainModule._clip_grad_norm, train_module.get_dp_process_group = kept
+    with put_back(lambda: None, PATCHED):
+        yield
 
 
-def _planted(world: int, config: dict[str, Any], before: Any) -> Any:
+def _planted(world: int, config: dict[str, Any], before: Any | None) -> Any:
     from meshsim.own_steps import olmo_core as own
     from meshsim.usage.serial import assert_matches_serial
 
@@ -97,9 +107,23 @@ def test_tensor_parallel_peers_fed_different_rows_are_named() -> None:
     assert "a different batch" in first or "differs from the serial one" in first, first
 
 
-def test_layouts_the_step_does_not_run_are_refused_with_the_reason() -> None:
-    with pytest.raises(UsageError, match=r"pp=2: its pipeline schedules"):
-        check_equivalence("olmo-core", 4, "threaded", real=True, dp="fsdp", pp=2)
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"dp": "fsdp", "pp": 2}, r"pp=2: .*only its custom schedules.*torch\.cuda\.Stream"),
+        (
+            {"dp": "hsdp", "num_replicas": 1, "cp": 2, "ep": 2},
+            r"ep=2 and cp=2: its MoE's load-balancing loss",
+        ),
+        ({"expert_mesh_ep": 2}, r"expert_mesh_ep=2: build_expert_parallel_mesh"),
+    ],
+    ids=["pp", "ep+cp", "expert-mesh"],
+)
+def test_layouts_the_step_does_not_run_are_refused_with_the_reason(
+    config: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(UsageError, match=reason):
+        check_equivalence("olmo-core", 4, "threaded", real=True, **config)
 
 
 def test_ddp_over_a_tensor_parallel_model_trains_nothing() -> None:
@@ -112,3 +136,152 @@ def test_ddp_over_a_tensor_parallel_model_trains_nothing() -> None:
     first = result.error.splitlines()[0]
     assert first.startswith("`embeddings.weight` (grads) is in the serial step but no rank"), first
     assert "not the tensor the model trains with" in first
+
+
+# -- context parallelism (OLMo's Ulysses style) ----------------------------------------------------
+
+CP = {"dp": "fsdp", "cp": 2}
+
+
+def test_context_parallel_step_matches_its_serial_twin() -> None:
+    result = check_equivalence("olmo-core", 2, "threaded", real=True, timeout=300, **CP)
+    assert result.passed, result.error
+
+
+def _cp_share_not_scaled() -> None:
+    """OLMo-core's ``LMHead._finalize_loss`` without its context-parallel adjustment: each CP
+    rank divides its sequence shard's summed loss by the whole batch's token count, so its
+    share of the loss is 1/cp of what OLMo gives it (the TP branch is left out: no TP here)."""
+    from olmo_core.nn.lm_head import LMHead
+
+    def _finalize_loss(self, loss, B, *, loss_reduction, loss_div_factor=None, **_):
+        if loss_div_factor is not None:
+            loss = loss / loss_div_factor
+        return loss
+
+    LMHead._finalize_loss = _finalize_loss
+
+
+def test_a_context_parallel_loss_share_not_scaled_is_named() -> None:
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, CP, _cp_share_not_scaled)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("grad of `embeddings.weight` at step 1"), first
+    assert "the logged `loss` at step 1 is 0.5x (1/2) the serial one" in first, first
+
+
+# -- expert parallelism (small_hybrid_moe, HSDP with ep = the shard degree) ------------------------
+
+EP = {"dp": "hsdp", "num_replicas": 1, "ep": 2}
+EXPERTS = "feed_forward_moe.experts.mlp.w"
+
+
+def test_expert_parallel_step_differs_from_its_twin_in_the_expert_gradients_only() -> None:
+    """Observed with OLMo-core 3.0.0 (reported for review, not yet written up as a finding):
+    with ``ep`` = 2 every dense gradient, the loss, the load-balancing and z losses match the
+    serial twin, and the routed experts' gradients are 2x (ep x) the twin's, at world 2 and at
+    world 4 (HSDP 2 x 2). Each rank's experts receive, through OLMo's all-to-all, the gradients
+    of every ep peer's tokens, each normalised by its own rank's token count; the experts' FSDP
+    averages over ``dp_replicate`` only. The test pins the behaviour the check reports."""
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, EP, None)
+    problems = info.value.problems
+    assert all(EXPERTS in line for line in problems), problems
+    first = problems[0]
+    assert first.startswith(f"grad of `blocks.0.{EXPERTS}1` at step 1"), first
+    assert "is 2x the serial one" in first, first
+
+
+def _expert_gradients_scaled_by_ep() -> None:
+    """OLMo-core's ``MoEMLP.forward`` with the gradient reaching the local experts scaled by
+    1 / ep, as megablocks (which it was adapted from) scaled it; its comment "Scale gradients"
+    is still there, the scaling is not."""
+    import torch
+    import torch.nn.functional as F
+    from olmo_core.distributed.utils import get_local_tensor
+    from olmo_core.nn.moe.mlp import MoEMLP
+
+    class _Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, scale: float) -> Any:
+            ctx.scale = scale
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return grad * ctx.scale, None
+
+    def forward(self: Any, x: Any) -> Any:
+        og_dtype = x.dtype
+        scale = 1.0 / (1 if self.ep_mesh is None else self.ep_mesh.size())
+        e, d, h = self.num_experts, self.d_model, self.hidden_size
+        w1, w2, w3 = (
+            _Scaled.apply(get_local_tensor(w.view(*shape)), scale)
+            for w, shape in ((self.w1, (e, d, h)), (self.w2, (e, h, d)), (self.w3, (e, d, h)))
+        )
+        x = x.type_as(w1)
+        return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2).to(dtype=og_dtype)
+
+    MoEMLP.forward = forward
+
+
+def test_expert_parallel_step_matches_its_twin_with_expert_gradients_scaled_by_ep() -> None:
+    """The one difference above, and only it: with the experts' gradients scaled by 1 / ep the
+    expert-parallel step matches its serial twin in every gradient, weight and logged value."""
+    summary = str(_planted(2, EP, _expert_gradients_scaled_by_ep))
+    assert "over 2 steps" in summary, summary
+
+
+def _load_balancing_loss_over_its_micro_batch() -> None:
+    """On top of the scaling above: OLMo-core's ``load_balancing_loss`` (granularity
+    local_batch, no TP or CP) normalised by the micro-batch's own token count instead of the
+    ``loss_div_factor`` the model hands it (the rank's batch token count)."""
+    import torch
+    from olmo_core.nn.moe import router
+
+    _expert_gradients_scaled_by_ep()
+
+    def load_balancing_loss(*, num_experts, top_k, expert_scores, batch_size_per_expert, **_):
+        B, S, _ = expert_scores.shape
+        scores = expert_scores.view(-1, num_experts).mean(dim=0)
+        loss = torch.dot(batch_size_per_expert.type_as(scores), scores) / (B * S)
+        return num_experts / top_k * loss
+
+    router.load_balancing_loss = load_balancing_loss
+
+
+def test_a_load_balancing_loss_normalised_per_micro_batch_is_named() -> None:
+    with pytest.raises(SerialMismatch) as info:
+        _planted(2, EP, _load_balancing_loss_over_its_micro_batch)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("grad of `embeddings.weight` at step 1"), first
+    assert "the logged `load_balancing_loss` at step 1 is 0.5x (1/2) the serial one" in first
+
+
+def _experts_exchanged_over_the_world_group() -> None:
+    """OLMo-core's ``MoEMLPBase._shard_experts`` taking the world group (with HSDP 2 x 2 every
+    data-parallel rank) for the experts' all-to-all instead of the ep mesh's group: tokens go
+    to ranks that do not hold their experts."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from olmo_core.nn.moe.mlp import MoEMLPBase
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def _shard_experts(self: Any, mesh: Any) -> None:
+        self.ep_mesh = mesh
+        self.ep_pg = dist.group.WORLD
+        self.num_local_experts = self.num_experts // mesh.size()
+        for name in ("w1", "w2", "w3"):
+            weight = distribute_tensor(getattr(self, name), mesh, [Shard(0)])
+            self.register_parameter(name, nn.Parameter(weight))
+
+    MoEMLPBase._shard_experts = _shard_experts
+
+
+@pytest.mark.slow
+def test_experts_exchanged_over_the_world_group_are_named() -> None:
+    config = {"dp": "hsdp", "num_replicas": 2, "ep": 2}
+    with pytest.raises(SerialMismatch) as info:
+        _planted(4, config, _experts_exchanged_over_the_world_group)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("grad of `"), first
