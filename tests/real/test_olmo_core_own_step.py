@@ -182,7 +182,9 @@ def test_expert_parallel_step_differs_from_its_twin_in_the_expert_gradients_only
     serial twin, and the routed experts' gradients are 2x (ep x) the twin's, at world 2 and at
     world 4 (HSDP 2 x 2). Each rank's experts receive, through OLMo's all-to-all, the gradients
     of every ep peer's tokens, each normalised by its own rank's token count; the experts' FSDP
-    averages over ``dp_replicate`` only. The test pins the behaviour the check reports."""
+    averages over ``dp_replicate`` only. (OLMo-core scaled the experts' gradients by 1 / ep in
+    ``MoEMLPBase._shard_experts`` until its PR #246, 2025-04.) The test pins the behaviour the
+    check reports."""
     with pytest.raises(SerialMismatch) as info:
         _planted(2, EP, None)
     problems = info.value.problems
