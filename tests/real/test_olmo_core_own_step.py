@@ -287,3 +287,4 @@ def test_experts_exchanged_over_the_world_group_are_named() -> None:
         _planted(4, config, _experts_exchanged_over_the_world_group)
     first = str(info.value).splitlines()[0]
     assert first.startswith("grad of `"), first
+    assert any(line.startswith(f"grad of `blocks.0.{EXPERTS}1`") for line in info.value.problems)
