@@ -288,3 +288,45 @@ def test_experts_exchanged_over_the_world_group_are_named() -> None:
     first = str(info.value).splitlines()[0]
     assert first.startswith("grad of `"), first
     assert any(line.startswith(f"grad of `blocks.0.{EXPERTS}1`") for line in info.value.problems)
+
+
+def test_the_cpu_binned_kernels_copy_what_the_triton_kernels_copy() -> None:
+    """``olmo_core_cpu.BinnedKernels`` against the triton kernels' per-program rule, written as
+    loops: entry ``j < min(capacity, count)`` of expert ``e``'s bin copies row ``index // top_k``
+    (times ``weights[index]``) to slot ``(e, j)``; the rest is dropped (here: capacity 3, so
+    some experts overflow)."""
+    import torch
+
+    from meshsim.own_steps.olmo_core_cpu import BinnedKernels
+
+    torch.manual_seed(0)
+    tokens, top_k, experts, capacity, hidden = 16, 2, 4, 3, 5
+    x = torch.randn(tokens, hidden)
+    weights = torch.rand(tokens * top_k)
+    bin_ids, indices = torch.sort(torch.randint(0, experts, (tokens * top_k,)))
+    bins = torch.cumsum(torch.bincount(bin_ids, minlength=experts), 0).int()
+    slots = []
+    for e in range(experts):
+        start = 0 if e == 0 else int(bins[e - 1])
+        for j in range(min(capacity, int(bins[e]) - start)):
+            slots.append((e, j, int(indices[start + j])))
+
+    gathered = torch.zeros(experts, capacity, hidden)
+    for e, j, index in slots:
+        gathered[e, j] = x[index // top_k] * weights[index]
+    got = BinnedKernels.binned_gather(x, indices.int(), weights, bins, capacity, top_k)
+    assert torch.equal(got, gathered)
+
+    y = torch.randn(experts, capacity, hidden)
+    scattered = torch.zeros(tokens * top_k, hidden)
+    for e, j, index in slots:
+        scattered[index] = y[e, j] * weights[index]
+    got = BinnedKernels.binned_scatter(y, indices.int(), weights, bins, top_k)
+    assert torch.allclose(got, scattered.view(tokens, top_k, hidden).sum(1), atol=0, rtol=1e-6)
+
+    grad = torch.randn(tokens, hidden)
+    wgrad = torch.zeros(tokens * top_k)
+    for e, j, index in slots:
+        wgrad[index] = (y[e, j] * grad[index // top_k]).sum()
+    got = BinnedKernels.binned_scatter_wgrad(y, grad, indices.int(), bins, top_k)
+    assert torch.allclose(got, wgrad, atol=0, rtol=1e-6)
