@@ -15,7 +15,8 @@ twin is the same config with every degree 1.
 A layout with expert parallelism (``ep > 1``) runs torchtitan's MoE debug model instead: the
 smallest one whose family's ``parallelize_*`` takes EP, deepseek_v3's ``debugmodel`` (33M
 parameters: 6 layers, the first dense, then MoE with 8 routed experts, top-3 softmax routing
-and 2 shared experts; qwen3's ``debugmodel_moe`` has 316M, gpt_oss's 81M), through
+and 2 shared experts; qwen3's ``debugmodel_moe`` has 316M, gpt_oss's 81M) cut to its first
+``MOE_LAYERS`` layers (one dense, one MoE: every code path, a third of the cost), through
 ``parallelize_deepseekv3``: the experts sharded over the ``ep`` mesh and their tokens sent
 by ``AllToAllTokenDispatcher`` (``all_to_all_single``), FSDP of the experts over ``efsdp``
 and of everything else over ``fsdp``, and the auxiliary-loss-free load balancing its model
@@ -64,6 +65,10 @@ SEQUENCE = 64
 CP_BLOCK = 128
 LONGEST = 1024  # the batch's row length: cp up to 8
 VOCABULARY = 2048  # the llama3 and deepseek_v3 debug models' vocab_size
+#: deepseek_v3's debugmodel keeps its first two layers: the dense one and the first MoE one.
+#: Its other four MoE layers run the same code again at three times the CPU time and memory,
+#: which at world 8 on a 2-core machine is the difference between a minute and the OOM killer.
+MOE_LAYERS = 2
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 #: torchtitan's ``ParallelismConfig`` field -> the ``ParallelDims`` attribute holding it.
 PARALLELISM_FIELDS = {
@@ -108,7 +113,35 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
             "step runs the MoE model there with meshsim.own_steps.torchtitan.step(config, "
             "experts=True)); leave etp out"
         )
-    return _spmd_types_refusal(world_size, config)
+    return _spmd_types_refusal(world_size, config) or _full_dtensor_refusal(world_size, config)
+
+
+def _full_dtensor_refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
+    """``full_dtensor`` on a dense storage mesh of three or more dims: torch's DTensor expands
+    every combination of each op's sharding strategies over the mesh in Python when FSDP's
+    ``_StridedShard`` placements are among its inputs (its Dijkstra search, pytorch#175999,
+    gives up on those), on every op of every rank. Measured at world 8 on 2 cores: EP+CP+TP
+    and HSDP+CP each ran past 15 minutes without ending, with the ranks' stacks in
+    ``expand_to_full_mesh_op_strategy``; the same layouts with ``partial_dtensor`` take one to
+    two minutes, and 2-D ``full_dtensor`` meshes run. A GPU host pays the same Python cost."""
+    if (config.get("spmd_backend") or "spmd_types") != "full_dtensor":
+        return None
+    sizes = {d: int(config.get(d, 1)) for d in ("dp_replicate", "cp", "tp", "pp")}
+    shard = int(config.get("dp_shard", -1))
+    if shard == -1:
+        shard = world_size // max(
+            1, sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * sizes["pp"]
+        )
+    dims = [d for d, n in {**sizes, "dp_shard": shard}.items() if d != "pp" and n > 1]
+    if len(dims) < 3:
+        return None
+    return (
+        f"torchtitan's own step with spmd_backend='full_dtensor' over {len(dims)} mesh dims "
+        f"({', '.join(sorted(dims))}): torch's DTensor sharding propagation expands every "
+        "strategy combination in Python for FSDP's _StridedShard parameters, on every op "
+        "(a world-8 step ran past 15 minutes on 2 cores, computing, not hung); the step runs "
+        "partial_dtensor on this mesh, or full_dtensor on two dims"
+    )
 
 
 def _spmd_types_refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
@@ -283,6 +316,8 @@ def _step(
     trainer.training.local_batch_size = rows
 
     model_config = trainer.model_spec.model
+    if moe:
+        model_config.layers = model_config.layers[:MOE_LAYERS]
     model_config.update_from_config(config=trainer)
     torch.manual_seed(ctx.seed)
     with torch.device("cpu"), utils.set_default_dtype(torch.float32):

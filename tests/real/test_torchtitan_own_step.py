@@ -358,3 +358,16 @@ def test_the_default_spmd_types_backend_is_refused_before_torch_2_15() -> None:
             timeout=300, dp_shard=2,
         )  # fmt: skip
 
+
+def test_full_dtensor_on_three_mesh_dims_is_refused_for_its_cost_not_run() -> None:
+    """A world-8 ``full_dtensor`` step over three dims ran past 15 minutes on 2 cores inside
+    torch's DTensor sharding propagation (measured; a sweep would time it out and call it a
+    failure). The step refuses it with the cause; two dims and ``partial_dtensor`` still run."""
+    from meshsim.own_steps import torchtitan as own
+
+    hsdp_cp = {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "spmd_backend": "full_dtensor"}
+    assert "3 mesh dims (cp, dp_replicate, dp_shard)" in own.refusal(8, hsdp_cp)
+    inferred = {"dp_shard": -1, "cp": 2, "tp": 2, "spmd_backend": "full_dtensor"}
+    assert "_StridedShard" in own.refusal(8, inferred)
+    assert own.refusal(8, {**hsdp_cp, "spmd_backend": "partial_dtensor"}) is None
+    assert own.refusal(4, {"dp_shard": 2, "tp": 2, "spmd_backend": "full_dtensor"}) is None
