@@ -119,8 +119,9 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
 def _full_dtensor_refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
     """``full_dtensor`` on a dense storage mesh of three or more dims: torch's DTensor expands
     every combination of each op's sharding strategies over the mesh in Python when FSDP's
-    ``_StridedShard`` placements are among its inputs (its Dijkstra search, pytorch#175999,
-    gives up on those), on every op of every rank. Measured at world 8 on 2 cores: EP+CP+TP
+    ``_StridedShard`` placements are among its inputs (its Dijkstra search, pytorch PRs
+    169438 and 175999, returns None for those and falls back to that expansion, by design),
+    on every op of every rank. Measured at world 8 on 2 cores: EP+CP+TP
     and HSDP+CP each ran past 15 minutes without ending, with the ranks' stacks in
     ``expand_to_full_mesh_op_strategy``; the same layouts with ``partial_dtensor`` take one to
     two minutes, and 2-D ``full_dtensor`` meshes run. A GPU host pays the same Python cost."""
