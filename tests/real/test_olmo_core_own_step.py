@@ -177,7 +177,8 @@ EXPERTS = "feed_forward_moe.experts.mlp.w"
 
 
 def test_expert_parallel_step_differs_from_its_twin_in_the_expert_gradients_only() -> None:
-    """Observed with OLMo-core 3.0.0 (reported for review, not yet written up as a finding):
+    """A finding in OLMo-core 3.0.0 (docs/findings.md, "expert parallelism scales the experts'
+    gradients by ep"):
     with ``ep`` = 2 every dense gradient, the loss, the load-balancing and z losses match the
     serial twin, and the routed experts' gradients are 2x (ep x) the twin's, at world 2 and at
     world 4 (HSDP 2 x 2). Each rank's experts receive, through OLMo's all-to-all, the gradients
