@@ -67,6 +67,7 @@ a planted bug.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -231,6 +232,7 @@ def _step(
         with (
             _shims.unchanged_environ(),
             _shims.megatron_clean_state() as ps,
+            _fresh_moe_loss_tracker(),
             megatron_cpu.router_gemm_fallback(),
             megatron_cpu.cuda_as_cpu(),
             warnings.catch_warnings(),
@@ -240,6 +242,22 @@ def _step(
     finally:
         if callable(undo):
             undo()
+
+
+@contextlib.contextmanager
+def _fresh_moe_loss_tracker() -> Iterator[None]:
+    """megatron's MoE routers log their auxiliary losses into a process-global tracker sized by
+    the first model's layer count. Megatron-LM trains one model per process; here one process
+    runs many steps (the serial twins of a sweep, a warm gloo worker), and a 4-layer model
+    after a 2-layer one indexed past the end ("index 2 is out of bounds for dimension 0 with
+    size 2"), so each step starts and ends with an empty tracker."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    try:
+        yield
+    finally:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 def _degrees(config: Mapping[str, Any], serial: bool) -> dict[str, Any]:

@@ -170,3 +170,31 @@ def test_layouts_the_step_does_not_run_are_refused_with_the_reason() -> None:
 def test_threaded_ranks_are_refused_because_parallel_state_is_process_global() -> None:
     with pytest.raises(UsageError, match=r"backend 'gloo'.*process-global"):
         check_equivalence("megatron", 2, "threaded", real=True, timeout=TIMEOUT, **TP)
+
+
+def test_a_step_after_a_smaller_moe_model_in_the_same_process_runs() -> None:
+    """megatron's MoE aux-loss tracker is process-global and sized by the first model's layer
+    count. A sweep runs every serial twin in one process: a 3-layer twin after a 2-layer one
+    raised "index 2 is out of bounds for dimension 0 with size 2" (7 false failures in the
+    world-8 megatron sweep, every pp=4 and pp=8 MoE layout). The tracker is left here as a
+    2-layer model leaves it; the step must start from an empty one."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.0), 1, 2)
+    config = {
+        "pipeline_model_parallel_size": 3,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": 1,
+    }
+    from meshsim.own_steps import megatron as own
+    from meshsim.usage.serial import assert_matches_serial
+
+    try:
+        result = assert_matches_serial(
+            own.step(config), 3, "megatron", backend="gloo", batch=own.batch, timeout=TIMEOUT,
+            **config,
+        )  # fmt: skip
+    finally:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    assert "over 2 steps" in str(result), result
