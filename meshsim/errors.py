@@ -140,6 +140,12 @@ class RankTimeout(MeshsimError, TimeoutError):
         self.waits = waits
 
 
+class RunStopped(MeshsimError):
+    """A run stopped on request from outside it (``meshsim.harness.stopping``: the CLI's Ctrl-C
+    or SIGTERM during a live check); its ranks were stopped as at a timeout. Not a verdict on
+    the program, so nothing that judges a run catches it."""
+
+
 class NotEnoughGPUs(MeshsimError, RuntimeError):
     """The nccl tier needs one GPU per rank and this machine has fewer."""
 

@@ -42,6 +42,7 @@ from meshsim.cli.sweep_remote import REFERENCE, Chunk
 from meshsim.cli.sweep_report import Outcome, Report
 from meshsim.cli.sweep_workers import Workers
 from meshsim.errors import UsageError
+from meshsim.harness import stopping
 from meshsim.model.conventions import CONVENTIONS
 from meshsim.model.sweep import LayoutCase, layouts
 
@@ -93,6 +94,7 @@ class _StopRequest:
             sys.stderr.write(f"meshsim sweep: {name}, already stopping\n")
             return
         self.name = name
+        stopping.request()  # a live check in this process stops its ranks within a tick
         sys.stderr.write(f"meshsim sweep: {name}, stopping now\n")
 
     def is_set(self) -> bool:
@@ -105,12 +107,14 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def run(args: argparse.Namespace) -> int:
     """The verb: signals are the sweep's own from here to the end of its reports."""
     stop = _StopRequest()
+    stopping.clear()
     previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
     try:
         return _sweep(args, stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stopping.clear()
 
 
 def _sweep(args: argparse.Namespace, stop: _StopRequest) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from meshsim.errors import UsageError
+from meshsim.errors import RunStopped, UsageError
 from meshsim.own_steps import STEPS
 
 HELP = (
@@ -105,6 +105,9 @@ def run(
             outcome.step = StepVerdict(result=result)
         except UsageError as refusal:
             outcome.step = StepVerdict(refused=str(refusal))
+        except RunStopped:  # Ctrl-C or SIGTERM inside the step: no verdict on this layout
+            progress.finish(label, "stopped")
+            return False
         progress.advance(label, outcome.step.passed)
         if args.fail_fast and not outcome.step.passed:
             progress.finish(label, "stopped")

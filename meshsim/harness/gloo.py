@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 from meshsim.errors import MeshsimError, TeardownWarning
-from meshsim.harness import pickling, recorder, rendezvous
+from meshsim.harness import pickling, recorder, rendezvous, stopping
 from meshsim.harness.backend import Job
 from meshsim.harness.live import DivergenceWatch, ending_of_run, judge, with_consequence
 from meshsim.harness.outcome import (
@@ -154,7 +154,7 @@ class ProcessBackend:
                 break  # the rest only wait in teardown for a rank that is gone
             limit = deadline if grace is None else min(deadline, grace)
             now = time.monotonic()
-            if now >= limit:
+            if now >= limit or stopping.requested():
                 break
             by_conn = {r.worker.conn: r for r in pending}
             for conn in wait(list(by_conn), timeout=min(TICK_S, limit - now)):
@@ -168,9 +168,14 @@ class ProcessBackend:
             if grace is not None and watch.standstill:
                 break  # the others wait for the failed rank: nothing left to finish
         stuck = [r for r in ranks if r.in_body]
-        timed_out = bool(stuck) and grace is None and not diverged
+        on_request = stopping.requested() and any(not r.finished for r in ranks)
+        timed_out = bool(stuck) and grace is None and not diverged and not on_request
         status = "timeout" if timed_out else "aborted"
         stopped = self._stop([r for r in ranks if not r.finished], job_dir)
+        if on_request:
+            for r in ranks:
+                r.kept = False  # stopped mid-body: the next job gets a new world
+            raise stopping.stopped(job.fn, job.world_size)
         self._forward_output(ranks)
         outcomes = [self._outcome(r, stopped.get(r.rank), status) for r in ranks]
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}

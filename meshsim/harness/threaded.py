@@ -30,7 +30,7 @@ from typing import Any
 
 from meshsim import torch_private
 from meshsim.errors import MeshsimError
-from meshsim.harness import mailbox, rank_env, recorder, rng
+from meshsim.harness import mailbox, rank_env, recorder, rng, stopping
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world
@@ -180,7 +180,7 @@ class _Run:
                 limit = (
                     deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
                 )
-                if now >= limit:
+                if now >= limit or stopping.requested():
                     return False
                 if self.watch.look(*self.state()) is not None:
                     return True
@@ -281,17 +281,22 @@ class ThreadedBackend:
                 mailbox.reset()
                 run = _Run(job, plg, dist.HashStore())
                 deadline = time.monotonic() + job.timeout
+                on_request = False
                 try:
                     for r in run.ranks:
                         r.thread.start()
                     diverged = run.wait(deadline)
+                    on_request = not diverged and bool(run.alive()) and stopping.requested()
                     timed_out = not diverged and bool(run.alive()) and time.monotonic() >= deadline
+                    timed_out = timed_out and not on_request
                     survivors = run.stop("timeout" if timed_out else "aborted")
                 finally:
                     plg.reset()
                     mailbox.reset()
         finally:
             recorder.uninstall()
+        if on_request:
+            raise stopping.stopped(job.fn, job.world_size)
         outcomes = [r.outcome or RankOutcome(r.rank, status="aborted") for r in run.ranks]
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}
         # The recordings are judged first, however the run ended (hook: the same comparison

@@ -1,0 +1,42 @@
+"""A stop asked for from outside a run (the CLI's Ctrl-C or SIGTERM during a framework's own
+step, which can run for minutes) stops the ranks and raises ``RunStopped``, on the threaded and
+the gloo tier. The bodies below never end: without the request each run would end only at its
+600 s timeout, as a ``RankTimeout``, so the verdict here is the exception's type, not a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import meshsim
+from meshsim.errors import RunStopped
+from meshsim.harness import stopping
+
+
+def _forever() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("backend", ["threaded", "gloo"])
+def test_a_stop_request_ends_a_live_run_with_run_stopped(backend: str) -> None:
+    started = threading.Event()
+
+    def body() -> None:
+        started.set()  # threaded: this process; gloo: only the parent's copy is never set
+        _forever()
+
+    def request_once_running() -> None:
+        started.wait(30)  # threaded ranks say so; gloo ranks run elsewhere: request anyway
+        stopping.request()
+
+    threading.Thread(target=request_once_running, daemon=True).start()
+    try:
+        with pytest.raises(RunStopped, match=r"stopped on request"):
+            meshsim.run(body, world_size=2, backend=backend, timeout=600)
+    finally:
+        stopping.clear()
+    # The tier is usable again at once: the next run is not stopped by the old request.
+    assert meshsim.run(lambda: 1, world_size=2, backend=backend) == [1, 1]
