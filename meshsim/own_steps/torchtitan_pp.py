@@ -46,7 +46,10 @@ on torch 2.13 (``ValueError: Expecting 8 arg_mbs but got 1``; a test pins it). O
 torch the step gets torch 2.15's pre-split path, built from torch's own pieces: exactly what
 2.13's and 2.15's ``step`` do (set ``has_backward`` and clear each stage's runtime state,
 then ``_step_microbatches`` of the microbatches), without splitting a whole batch (the
-microbatches are already split). On torch 2.15 nothing is replaced.
+microbatches are already split). On torch 2.15 nothing is replaced. What the stand-in cannot
+give torch 2.13 is 2.15's restore of the stages' buffers after the first step's metadata
+inference, which the MoE model's token counts need: pp with ep is refused before 2.15
+(:func:`refusal` says why).
 """
 
 from __future__ import annotations
@@ -68,23 +71,51 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
     """Why the own step does not run this pp > 1 layout (None: it does)."""
     pp = int(config.get("pp", 1))
     if int(config.get("ep", 1)) > 1:
-        return (
-            "torchtitan's own step with pp>1 and ep>1 is not run yet: its expert-bias update "
-            "at the first step does not match the serial twin's (dp_shard=2, pp=2, ep=2 at "
-            "world 4: a different value on each run), and whether that is torchtitan's own "
-            "(the pipeline schedule's metadata-inference forward is counted by the MoE "
-            "routers' tokens_per_expert_E) is not settled"
-        )
-    slots = LLAMA3_LAYERS + 2  # pipeline_llm counts the embeddings and the output as a layer
+        reason = _metadata_inference_refusal()
+        if reason is not None:
+            return reason
+    from meshsim.own_steps.torchtitan import MOE_LAYERS, uses_experts
+
+    model, layers = (
+        ("deepseek_v3 MoE", MOE_LAYERS) if uses_experts(config) else ("llama3", LLAMA3_LAYERS)
+    )
+    slots = layers + 2  # pipeline_llm counts the embeddings and the output as a layer
     stages = pp * STAGES_PER_RANK
     if stages > slots:
         return (
             f"torchtitan's own step with pp={pp}: its debug config's Interleaved1F1B schedule "
             f"puts {STAGES_PER_RANK} stages on each pp rank, and pipeline_llm cannot cut the "
-            f"llama3 debug model ({LLAMA3_LAYERS} layers) into {stages}: it raises 'Number of "
+            f"{model} debug model ({layers} layers) into {stages}: it raises 'Number of "
             f"stages ({stages}) cannot be greater than effective layers ({slots})'"
         )
     return None
+
+
+def _metadata_inference_refusal() -> str | None:
+    """pp with ep before torch 2.15. On its first step a schedule infers each stage's
+    activation metadata by running the stage for real (``_initialize_pp_stages``: the forward,
+    then a backward through it, in training mode; a stage after the first gets uninitialised
+    ``torch.empty`` inputs). torch 2.15 backs up every stage buffer before and restores it
+    after (``_pre_metadata_inference_backup`` / ``_post_metadata_inference_cleanup``); torch
+    2.13 keeps what the probe wrote. torchtitan's MoE counts its routed tokens in a buffer
+    (``tokens_per_expert_E``, read by the expert-bias update before the optimizer step), so on
+    2.13 the first step's counts include the probe's forward and its activation-checkpoint
+    recompute, and the first bias update differs from the serial twin's (only there: every
+    gradient of that step matches). A real torchtitan 0.3.0 pp job runs on 2.15 only (its
+    ``step(arg_mbs=...)``), so this belongs to the stand-in, not to torchtitan."""
+    from meshsim.torch_private import torch_version
+
+    if torch_version() >= (2, 15):
+        return None
+    version = ".".join(map(str, torch_version()))
+    return (
+        "torchtitan's own step with pp>1 and ep>1 needs torch >= 2.15: torch "
+        f"{version}'s pipeline metadata inference runs each stage's forward (on uninitialised "
+        "inputs after the first stage) and backward at the first step and keeps the buffers "
+        "it changed, so the MoE routers' tokens_per_expert_E count that extra forward and the "
+        "first expert-bias update differs from the serial twin's; torch 2.15 restores the "
+        "stages' buffers after it, and torchtitan 0.3.0's pp path needs 2.15 anyway"
+    )
 
 
 @dataclass
