@@ -453,3 +453,14 @@ def test_pp_with_ep_matches_once_metadata_inference_leaves_the_buffers_as_they_w
     monkeypatch.setattr(schedules._PipelineSchedule, "_initialize_pp_stages", restoring)
     result = _pp_ep_step()
     assert result.comparison.passed and result.comparison.compared > 200
+
+
+def test_pipeline_with_full_dtensor_context_parallelism_is_refused_as_unsettled() -> None:
+    """pp=2, cp=2 with full_dtensor differed from its twin in the first stage's attention
+    gradients (world 4 and the world-8 sweep; torch 2.13 and 2.15), cause not yet found: it is
+    refused with that, not reported as a finding; partial_dtensor runs it."""
+    from meshsim.own_steps import torchtitan as own
+
+    layout = {"pp": 2, "cp": 2, "dp_shard": 1, "spmd_backend": "full_dtensor"}
+    assert "is not settled" in own.refusal(4, layout)
+    assert own.refusal(4, {**layout, "spmd_backend": "partial_dtensor"}) is None
