@@ -99,7 +99,7 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
     if int(config.get("pp", 1)) > 1:
         from meshsim.own_steps import torchtitan_pp
 
-        reason = torchtitan_pp.refusal(world_size, config)
+        reason = torchtitan_pp.refusal(world_size, config, MOE_LAYERS)
         if reason is not None:
             return reason
     cp = int(config.get("cp", 1))

@@ -67,8 +67,9 @@ STAGES_PER_RANK = 2
 LLAMA3_LAYERS = 6
 
 
-def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
-    """Why the own step does not run this pp > 1 layout (None: it does)."""
+def refusal(world_size: int, config: Mapping[str, Any], moe_layers: int) -> str | None:
+    """Why the own step does not run this pp > 1 layout (None: it does); ``moe_layers`` is the
+    MoE model's layer count, which the caller (``own_steps.torchtitan``) keeps."""
     pp = int(config.get("pp", 1))
     if int(config.get("ep", 1)) > 1:
         reason = _metadata_inference_refusal()
@@ -84,11 +85,8 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
             "torch 2.13 and 2.15 alike; whether torchtitan's full_dtensor pipeline inputs or "
             "the step's CPU attention stand-ins cause it is not settled"
         )
-    from meshsim.own_steps.torchtitan import MOE_LAYERS, uses_experts
-
-    model, layers = (
-        ("deepseek_v3 MoE", MOE_LAYERS) if uses_experts(config) else ("llama3", LLAMA3_LAYERS)
-    )
+    moe = int(config.get("ep", 1)) > 1  # the layouts own_steps.torchtitan runs the MoE model
+    model, layers = ("deepseek_v3 MoE", moe_layers) if moe else ("llama3", LLAMA3_LAYERS)
     slots = layers + 2  # pipeline_llm counts the embeddings and the output as a layer
     stages = pp * STAGES_PER_RANK
     if stages > slots:
