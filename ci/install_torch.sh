@@ -15,6 +15,8 @@
 #                        machine gets an NCCL-capable torch: the CPU-only check is then skipped.
 #   PYTHON               the interpreter (default: python3)
 # Usage: bash ci/install_torch.sh [--dry-run]   (--dry-run: resolve and report, install nothing)
+# Exit status: 0 done (or resolvable), 1 only a CUDA build is offered, 3 no index is reachable or
+# offers the release (an offline machine: install torch first, and this script keeps it).
 set -euo pipefail
 PY=${PYTHON:-python3}
 SPEC=${MESHSIM_TORCH:-torch==2.13.0}
@@ -49,7 +51,7 @@ resolve() {
     local report
     report=$(mktemp)
     trap 'rm -f "$report"' RETURN
-    "${PIP[@]}" --dry-run --ignore-installed --report "$report" "$@" "$SPEC" 2>/dev/null || return 1
+    "${PIP[@]}" --dry-run --ignore-installed --report "$report" "$@" "$SPEC" 2>/dev/null || return 2
     "$PY" - "$report" "$REQUIRE_CPU" <<'PY'
 import json, sys
 
@@ -68,10 +70,18 @@ if [ "$DRY_RUN" = 0 ] && installed_matches; then
 fi
 
 # Ask the chosen index first; fall back to the configured indexes (PyPI, mirrors, find-links).
+found=()  # what each index said: "unreachable" (pip could not resolve there) or "CUDA"
 for source in index default; do
     if [ "$source" = index ]; then args=(--index-url "$INDEX"); else args=(); fi
     echo "resolving $SPEC from ${args[1]:-the default indexes}"
-    if resolve "${args[@]}"; then
+    status=0
+    resolve "${args[@]}" || status=$?
+    if [ "$status" = 2 ]; then
+        echo "  unreachable, or it offers no $SPEC"
+        found+=(unreachable)
+    elif [ "$status" != 0 ]; then
+        found+=(CUDA)
+    else
         [ "$DRY_RUN" = 1 ] && exit 0
         "${PIP[@]}" "${args[@]}" "$SPEC"
         if [ "$REQUIRE_CPU" = 1 ]; then
@@ -81,7 +91,13 @@ for source in index default; do
         exit 0
     fi
 done
-echo "error: no index offers $SPEC as a CPU build (PyTorch's CPU index is unreachable and the" \
-     "default index would install CUDA packages). Set MESHSIM_TORCH_INDEX to a reachable index" \
-     "(a CPU mirror), or to a CUDA index if you want the CUDA build." >&2
+if [ "${found[*]}" = "unreachable unreachable" ]; then
+    echo "error: no package index offers $SPEC: $INDEX and the default indexes are unreachable" \
+         "from this machine or lack that release. Set MESHSIM_TORCH_INDEX to a reachable index," \
+         "or install torch yourself first (this script keeps a matching one)." >&2
+    exit 3
+fi
+echo "error: no index offers $SPEC as a CPU build ($INDEX: ${found[0]}; the default indexes:" \
+     "${found[1]}, where CUDA means they would install CUDA packages). Set MESHSIM_TORCH_INDEX" \
+     "to a reachable index (a CPU mirror), or to a CUDA index if you want the CUDA build." >&2
 exit 1

@@ -15,6 +15,9 @@ HTML comment on the line before the fence says how it runs (tokens separated by 
 * ``<!-- example: torch 2.10 -->``: needs that torch release or a newer one (torchtitan's
   current line builds only from 2.10 on); skipped with that reason on an older one.
 
+A ``meshsim ... --real`` command runs the installed framework: without it the block skips with
+meshsim's own reason (the optional extras are not core dependencies).
+
 A shell block runs when every command in it is ``meshsim ...`` or ``python -m meshsim ...``
 (``python benchmarks/...`` too, when marked slow); any other command without a skip marker
 fails its test, naming the block.
@@ -169,6 +172,23 @@ def _argv(command: list[str], example: Example) -> list[str]:
     )
 
 
+def _framework_missing(argv: list[str]) -> str | None:
+    """Why a ``--real`` command cannot run its framework here (None when it can or is no such
+    command)."""
+    if "--real" not in argv or "meshsim" not in argv[:3]:
+        return None
+    from meshsim.builders.real import unavailable
+
+    rest = argv[argv.index("meshsim") + 1 :]
+    if "--framework" in rest:
+        framework = rest[rest.index("--framework") + 1]
+    elif len(rest) > 1 and not rest[1].startswith("-"):
+        framework = rest[1]
+    else:
+        return None
+    return unavailable(framework)
+
+
 @pytest.mark.parametrize("example", [_param(e) for e in EXAMPLES])
 def test_example_runs(example: Example, tmp_path: Path) -> None:
     if "skip" in example.options:
@@ -193,6 +213,10 @@ def test_example_runs(example: Example, tmp_path: Path) -> None:
     else:
         runs = [_argv(command, example) for command in _commands(example.code)]
         assert runs, f"{example.id}: an empty shell block"
+        for argv in runs:
+            missing = _framework_missing(argv)
+            if missing:
+                pytest.skip(f"{example.id}: {missing}")
     expected = int(example.options.get("exit") or 0)
     for argv in runs:
         done = _run(argv, tmp_path, example)

@@ -22,12 +22,16 @@ def build(world_size: int, config: Mapping[str, Any]) -> Observation:
 
     Ops act on the first view (the root, then each unflattened mesh) that knows every dim they
     name, knowing being decided by torch (``mesh_dim_names`` plus the names flattened on the
-    view's root), not by the reference. Torch's own errors (KeyError for a bad slice,
-    ValueError for a reused flatten name, ...) propagate unchanged.
+    view's root), not by the reference; an unflatten of a dim given by index acts on the root.
+    Torch's own errors (KeyError for a bad slice, ValueError for a reused flatten name, ...)
+    propagate unchanged.
     """
     views = [_root(world_size, config)]
     for op in config.get("ops", ()):
         verb, args = _parse_op(op)
+        if verb == "unflatten" and isinstance(args[0], int):
+            views.append(torch_private.unflatten(views[0], *args))  # an index: the root's dim
+            continue
         wanted = args[0] if verb == "flatten" else (args[0],)
         for view in views:
             if set(wanted) <= _known(view):

@@ -84,6 +84,8 @@ class ProcessBackend:
     """Shared by the gloo and nccl tiers (``name`` is the torch backend)."""
 
     name = "gloo"
+    #: Whether the ranks see the caller's GPUs; gloo's see none, as on a CPU machine.
+    gpus = False
 
     def run(self, job: Job) -> RunResult[Any]:
         payload = pickling.dumps_body(job.fn, job.args, job.kwargs, self.name)
@@ -95,7 +97,7 @@ class ProcessBackend:
             )
         try:
             key = _world_key(job, self.name)
-            workers = pool.acquire(job.world_size, key)
+            workers = pool.acquire(job.world_size, key, self.gpus)
             ranks = [_Rank(r, w) for r, w in enumerate(workers)]
             job_dir = None
             try:

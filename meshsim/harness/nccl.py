@@ -21,6 +21,7 @@ class NcclBackend(ProcessBackend):
     """Like gloo, with rank r on ``cuda:r``; needs ``world_size`` GPUs on this machine."""
 
     name = "nccl"
+    gpus = True
 
     def run(self, job: Job) -> RunResult[Any]:
         found = gpu_count()

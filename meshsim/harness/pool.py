@@ -4,7 +4,11 @@ Workers are never forked from the caller (it may hold torch threads or CUDA). By
 are forked from a *template*: one fresh interpreter (``python -c``, its own session) that
 imports torch once, runs nothing, and forks a worker per request; importing torch is most of a
 worker's boot, so N workers cost one import instead of N (``MESHSIM_POOL_BOOT=spawn``: one
-fresh interpreter per worker, as before). Workers run in their own session and talk to the
+fresh interpreter per worker, as before). A gloo worker sees no GPU (``CUDA_VISIBLE_DEVICES``
+empty from its start, so the CUDA driver never sees one): the tier stands in for CPU machines,
+and a framework that finds a GPU would put rank r on ``cuda:r``, or torch would give a
+whole-world mesh dim a new group where an nccl run shares the default one. nccl workers are
+started apart, with the caller's GPUs. Workers run in their own session and talk to the
 parent over a socketpair (no TCP). They boot in parallel and in the background; a run waits
 only for the workers it needs. A worker is reused only if it
 reported a clean state after its job; a worker that died, was killed or leaked state is
@@ -57,8 +61,16 @@ _TEMPLATE_BOOT = (
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
-def _popen(code: str, fd: int, log_path: str) -> subprocess.Popen:
+#: Set in a worker's environment when it may see the caller's GPUs (an nccl worker).
+GPUS_ENV = "MESHSIM_WORKER_GPUS"
+
+
+def _popen(code: str, fd: int, log_path: str, gpus: bool = False) -> subprocess.Popen:
     """A fresh interpreter in its own session running ``code`` with ``fd``, output to a log."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop(GPUS_ENV, None)
+    if gpus:
+        env[GPUS_ENV] = "1"
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-c", code, str(fd), json.dumps([_PACKAGE_ROOT])],
@@ -67,23 +79,27 @@ def _popen(code: str, fd: int, log_path: str) -> subprocess.Popen:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=env,
         )
 
 
 class Worker:
     """One worker process as the parent sees it."""
 
-    def __init__(self, pool_dir: str, index: int, template: Template | None = None) -> None:
+    def __init__(
+        self, pool_dir: str, index: int, template: Template | None = None, gpus: bool = False
+    ) -> None:
         from multiprocess.connection import Connection
 
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.log_path = os.path.join(pool_dir, f"worker-{index}.log")
+        #: Whether this worker sees the caller's GPUs (nccl) or none (gloo).
+        self.gpus = gpus
         self.proc: Any
         if template is None:
-            self.proc = _popen(_BOOT, child_sock.fileno(), self.log_path)
+            self.proc = _popen(_BOOT, child_sock.fileno(), self.log_path, gpus)
         else:
-            self.proc = template.fork(child_sock, self.log_path)
+            self.proc = template.fork(child_sock, self.log_path, gpus)
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.template = template
@@ -244,12 +260,14 @@ class Template:
         self.count = 0
         self.lock = threading.Lock()
 
-    def fork(self, worker_sock: socket.socket, log_path: str) -> _ForkedProc:
+    def fork(self, worker_sock: socket.socket, log_path: str, gpus: bool) -> _ForkedProc:
         """Ask for a worker serving ``worker_sock``; its pid is read later (``settle``)."""
         with self.lock:
             self.count += 1
             proc = _ForkedProc(self, os.path.join(self.dir, f"status-{self.count}"))
-            request = json.dumps({"log": log_path, "status": proc.status_path}).encode()
+            request = json.dumps(
+                {"log": log_path, "status": proc.status_path, "gpus": gpus}
+            ).encode()
             try:
                 socket.send_fds(self.sock, [request], [worker_sock.fileno()])
             except OSError:
@@ -321,7 +339,7 @@ def template_main(fd: int) -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             wake_r.close()
             wake_w.close()
-            _forked_worker(sock, fds[0], spec["log"])
+            _forked_worker(sock, fds[0], spec["log"], spec["gpus"])
         os.close(fds[0])
         children[pid] = spec["status"]
         with contextlib.suppress(OSError):
@@ -329,10 +347,12 @@ def template_main(fd: int) -> None:
     os._exit(0)
 
 
-def _forked_worker(template_sock: socket.socket, fd: int, log_path: str) -> None:
+def _forked_worker(template_sock: socket.socket, fd: int, log_path: str, gpus: bool) -> None:
     """In the fork: own session, output to the worker's log, then the worker's main loop."""
     from meshsim.harness.worker import main
 
+    if gpus:
+        os.environ[GPUS_ENV] = "1"
     template_sock.close()
     os.setsid()
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -373,9 +393,9 @@ class Pool:
         self.lock = threading.Lock()
         self.template: Template | None = None
 
-    def spawn(self) -> Worker:
+    def spawn(self, gpus: bool = False) -> Worker:
         self.count += 1
-        worker = Worker(self.dir, self.count, self._template())
+        worker = Worker(self.dir, self.count, self._template(), gpus)
         self.booting.append(worker)
         return worker
 
@@ -404,11 +424,12 @@ class Pool:
             "interpreter; check that torch, dill and multiprocess import there."
         )
 
-    def acquire(self, n: int, key: tuple | None = None) -> list[Worker]:
+    def acquire(self, n: int, key: tuple | None = None, gpus: bool = False) -> list[Worker]:
         """``n`` ready workers in rank order, starting and waiting for new ones as needed.
 
         With ``key``, workers still holding a kept world of that key (same size, backend,
         timeout, relevant env) come back together, so their process group can be reused.
+        ``gpus``: workers that see the caller's GPUs (nccl) rather than none (gloo).
         """
         from multiprocess.connection import wait
 
@@ -416,13 +437,15 @@ class Pool:
             for dead in [w for w in self.idle if not w.alive()]:
                 self._forget_world(dead)
                 self.idle.remove(dead)
-            for _ in range(n - len(self.idle) - len(self.booting)):
-                self.spawn()
+            idle = [w for w in self.idle if w.gpus == gpus]
+            booting = [w for w in self.booting if w.gpus == gpus]
+            for _ in range(n - len(idle) - len(booting)):
+                self.spawn(gpus)
             deadline = time.monotonic() + BOOT_TIMEOUT_S
-            while len(self.idle) < n:
+            while sum(w.gpus == gpus for w in self.idle) < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._boot_failure(self.booting[0])
+                    raise self._boot_failure(next(w for w in self.booting if w.gpus == gpus))
                 for conn in wait([w.conn for w in self.booting], timeout=left):
                     worker = next(w for w in self.booting if w.conn is conn)
                     self.booting.remove(worker)
@@ -434,9 +457,9 @@ class Pool:
                         raise self._boot_failure(worker)
                     worker.ready = True
                     self.idle.append(worker)
-            return self._take(n, key)
+            return self._take(n, key, gpus)
 
-    def _take(self, n: int, key: tuple | None) -> list[Worker]:
+    def _take(self, n: int, key: tuple | None, gpus: bool) -> list[Worker]:
         """``n`` idle workers in rank order: a kept world of the same ``key`` if one is whole."""
         if key is not None:
             for wid, members in self.worlds.items():
@@ -447,7 +470,7 @@ class Pool:
                         self.idle.remove(w)
                     return list(members)
         # Prefer workers outside any kept world, so other worlds stay whole.
-        self.idle.sort(key=lambda w: w.world is not None)
+        self.idle.sort(key=lambda w: (w.gpus != gpus, w.world is not None))
         taken, self.idle = self.idle[:n], self.idle[n:]
         for w in taken:
             self._forget_world(w)
@@ -493,8 +516,8 @@ class Pool:
                 surplus = self.idle.pop(0)
                 self._forget_world(surplus)
                 surplus.kill()
-            for _ in range(min(len(broken), keep - len(self.idle) - len(self.booting))):
-                self.spawn()
+            for worker in broken[: max(0, keep - len(self.idle) - len(self.booting))]:
+                self.spawn(worker.gpus)
 
     def pids(self) -> list[int]:
         """Pids of the idle and booting workers, and of the template they are forked from."""

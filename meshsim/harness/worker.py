@@ -206,6 +206,10 @@ class Worker:
         self.baseline_torch: dict[tuple[str, str], int] = {}
         self.world: _KeptWorld | None = None
         self.job_base: Any = None
+        #: An nccl worker sees the caller's GPUs; a gloo worker none (see ``meshsim.harness.pool``).
+        self.gpus = os.environ.get("MESHSIM_WORKER_GPUS") == "1"
+        if not self.gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything here starts the CUDA driver
 
     def send(self, *msg: Any) -> None:
         self.conn.send_bytes(pickle.dumps(msg))
@@ -248,6 +252,8 @@ class Worker:
         body_env.update(
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
         )
+        if not self.gpus:
+            body_env["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.clear()
         os.environ.update(body_env)
         sys.path[:] = spec["sys_path"]

@@ -16,13 +16,17 @@ SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "install_torch.sh"
 
 
 def _dry_run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    result = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run"],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+    if result.returncode == 3:  # an offline machine (a GPU box with no index): nothing to resolve
+        assert "no package index offers" in result.stderr, result.stderr
+        pytest.skip(f"no package index is reachable here: {result.stderr.strip()}")
+    return result
 
 
 def test_resolves_to_a_cpu_build_with_this_machines_pip_settings() -> None:

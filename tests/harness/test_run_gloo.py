@@ -231,6 +231,21 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
+def _what_cuda_a_rank_sees() -> tuple:
+    import torch
+
+    return os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.is_available(), torch.cuda.device_count()
+
+
+def test_gloo_ranks_see_no_gpu_whatever_the_caller_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gloo tier stands in for CPU machines: a rank that saw the caller's GPU would be put
+    on cuda:LOCAL_RANK by frameworks (transformers' TP init did so on a 1-GPU machine, and ranks
+    1-3 died: invalid device ordinal), and torch gives a whole-world mesh dim a group of its own
+    where CUDA is available and the default group is gloo."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run(_what_cuda_a_rank_sees, 2, "gloo", timeout=120) == [("", False, 0)] * 2
+
+
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 GPUs (real NCCL, nothing mocked)")
 def test_nccl_all_reduce_on_real_gpus() -> None:  # pragma: no cover - no GPU in CI
     def body() -> tuple:
@@ -257,6 +272,9 @@ def test_nccl_on_one_gpu_runs_collectives_and_reports_a_failing_rank() -> None: 
         dist.all_reduce(t)
         return dist.get_backend(), context().device, t.tolist()
 
+    assert run(body, 1, "nccl", timeout=120) == [("nccl", "cuda:0", [3.0] * 4)]
+    # The pool keeps gloo workers (no GPU) and nccl workers (the caller's GPUs) apart.
+    assert run(_what_cuda_a_rank_sees, 2, "gloo", timeout=120) == [("", False, 0)] * 2
     assert run(body, 1, "nccl", timeout=120) == [("nccl", "cuda:0", [3.0] * 4)]
 
     def fails() -> None:

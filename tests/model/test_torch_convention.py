@@ -64,6 +64,29 @@ def test_unflatten_views_like_torchtitan() -> None:
     ]
 
 
+def test_unflatten_by_index_is_the_roots_dim_on_every_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchtitan unflattens its world as ``_unflatten(0, ...)``: the spelling torch 2.10 and
+    2.11 need, since they refuse every dim given by name."""
+    by_name = ["unflatten world 2,4,2 -> pp,batch,tp", "unflatten world 2,2,2,2 -> pp,r,f,tp"]
+    by_index = [
+        "unflatten 0 2,4,2 -> pp,batch,tp",
+        ("unflatten", 0, (2, 2, 2, 2), ("pp", "r", "f", "tp")),
+    ]
+    named = meshsim.expect("torch", 16, ops=by_name)
+    for release in ("2.11", "2.13"):
+        monkeypatch.setenv("MESHSIM_TORCH_RELEASE", release)
+        indexed = meshsim.expect("torch", 16, ops=by_index)
+        assert indexed.kinds() == named.kinds()
+        assert all(indexed.groups(k) == named.groups(k) for k in named.kinds())
+    with pytest.raises(LayoutError, match="out of range 1"):
+        meshsim.expect("torch", 16, ops=["unflatten 1 4,4 -> a,b"])
+    monkeypatch.setenv("MESHSIM_TORCH_RELEASE", "2.11")
+    with pytest.raises(LayoutError, match="refuse every dim given by name; pass its index"):
+        meshsim.expect("torch", 16, ops=by_name)
+
+
 def test_explicit_mesh() -> None:
     expected = meshsim.expect("torch", 4, mesh=[[0, 2], [1, 3]], mesh_dim_names=("a", "b"))
     assert expected.groups("a") == [(0, 1), (2, 3)]

@@ -4,6 +4,7 @@ Operations are strings (the CLI's form) or tuples:
 
 * ``"flatten dp,cp"`` or ``"flatten dp,cp -> dp_cp"`` / ``("flatten", ("dp", "cp"), "dp_cp")``
 * ``"unflatten world 2,4 -> dp,tp"`` / ``("unflatten", "world", (2, 4), ("dp", "tp"))``
+* ``"unflatten 0 2,4 -> dp,tp"``: the root's dim by index (torch 2.10 and 2.11 refuse a name)
 
 An unflatten makes a new view (torch returns a new mesh whose names the old root does not see);
 later operations act on the first view holding all the dims they name, the way torchtitan looks
@@ -291,7 +292,8 @@ def _parse_op(op: str | Sequence[Any]) -> Op:
             return ("flatten", (dims, target_names[0] if target_names else None))
         if words[:1] == ["unflatten"] and len(words) == 3 and target_names:
             sizes = tuple(int(s) for s in words[2].split(","))
-            return ("unflatten", (words[1], sizes, target_names))
+            dim = int(words[1]) if words[1].isdigit() else words[1]
+            return ("unflatten", (dim, sizes, target_names))
         raise LayoutError(
             f"cannot parse op {op!r}; write 'flatten a,b -> name' or 'unflatten dim 2,4 -> a,b'"
         )
@@ -306,6 +308,12 @@ def _parse_op(op: str | Sequence[Any]) -> Op:
 
 def _apply(views: list[Layout], op: Op) -> None:
     verb, args = op
+    if verb == "unflatten" and isinstance(args[0], int):
+        # A dim given by index is the root mesh's (``root._unflatten(0, ...)``), the spelling
+        # torch 2.10 and 2.11 need.
+        _torch_release.require_unflatten(f"unflatten {args[0]!r}")
+        views.append(views[0].unflatten(*args))
+        return
     wanted = args[0] if verb == "flatten" else (args[0],)
     for i, view in enumerate(views):
         known = set(view.dim_names) | set(view.aliases)
@@ -353,9 +361,11 @@ def configs(world_size: int, **options: Any) -> Iterator[dict[str, Any]]:
         # No flatten: torch's new_group sorts a group's ranks, and a flattened dim of this
         # tensor is not ascending (the reference keeps the tensor's order; a known gap).
         candidates.append({"mesh": _first_fastest(config["mesh_shape"]), "mesh_dim_names": names})
+    # torch 2.10 and 2.11 refuse a dim given by name; programs there pass its index.
+    world = 0 if _torch_release.target() in _torch_release.UNFLATTEN_BY_NAME_BROKEN else "world"
     for config in picked if other_ways else []:
         sizes = ",".join(map(str, config["mesh_shape"]))
-        unflatten = f"unflatten world {sizes} -> {','.join(names)}"
+        unflatten = f"unflatten {world} {sizes} -> {','.join(names)}"
         candidates.append({"mesh_shape": (world_size,), "ops": [unflatten, *ops]})
     for config in picked:
         inner = [n for n, size in zip(names, config["mesh_shape"]) if size > 1][-1:]
