@@ -34,6 +34,7 @@ from meshsim.errors import (
     RolesUnknown,
     SerialMismatch,
     TeardownWarning,
+    UntestedFrameworkWarning,
     UsageError,
 )
 from meshsim.harness import RankContext, RankOutcome, RunResult, context, run, shutdown
@@ -94,6 +95,7 @@ __all__ = [
     "SerialMismatch",
     "StepContext",
     "TeardownWarning",
+    "UntestedFrameworkWarning",
     "UsageError",
     "assert_data_parallel",
     "assert_gradient_reductions",

@@ -159,6 +159,11 @@ class TeardownWarning(MeshsimError, RuntimeWarning):
     """
 
 
+class UntestedFrameworkWarning(UserWarning):
+    """A ``real=True`` check runs a framework release other than the one meshsim's adapter was
+    tested with (``pip install 'meshsim[<framework>]'`` pins that one)."""
+
+
 class RolesUnknown(UsageError):
     """The reference cannot say which ranks a data-flow check must compare.
 

@@ -288,6 +288,7 @@ def _check(framework: str, real: bool) -> None:
         reason = real_adapters.unavailable(framework)
         if reason is not None:
             raise UsageError(reason)
+        real_adapters.warn_if_untested(framework)
 
 
 def _reference(

@@ -7,6 +7,7 @@ import contextlib
 import difflib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -15,7 +16,7 @@ from meshsim.cli import config_flags as cf
 from meshsim.cli import dataflow as dataflow_cli
 from meshsim.cli import equivalence as equivalence_cli
 from meshsim.cli import outputs, sweep_equivalence
-from meshsim.errors import LayoutError, NotEnoughGPUs, UsageError
+from meshsim.errors import LayoutError, NotEnoughGPUs, UntestedFrameworkWarning, UsageError
 
 VERBS = ("show", "diff", "verify", "sweep", "meshes", "list")
 BACKENDS = ("fake", "threaded", "gloo", "nccl")
@@ -564,9 +565,21 @@ def _silence_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
+    """meshsim's own warnings as one line a user reads; any other as Python shows it."""
+    if issubclass(category, UntestedFrameworkWarning):
+        sys.stderr.write(f"meshsim: warning: {message}\n")
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``meshsim`` console script; returns the exit code."""
     args_in = list(sys.argv[1:] if argv is None else argv)
+    warnings.showwarning = _show_warning
     try:
         parser = build_parser(args_in)
         args, extras = parser.parse_known_args(args_in)

@@ -169,11 +169,12 @@ def refuse(
     if wiring not in WIRINGS:
         raise UsageError(f"unknown wiring {wiring!r}; one of {', '.join(WIRINGS)}")
     if real:
-        from meshsim.builders.real import unavailable
+        from meshsim.builders.real import unavailable, warn_if_untested
 
         reason = unavailable(framework)
         if reason is not None:
             raise UsageError(reason)
+        warn_if_untested(framework)
     reason = unsupported(framework, config, backend, world_size=world_size)
     if reason is not None:
         raise UsageError(reason)

@@ -103,7 +103,7 @@ def equivalence_refusal(
 def _refuse_own_step(
     own: Any, framework: str, world_size: int, backend: str, config: Mapping[str, Any]
 ) -> None:
-    from meshsim.builders.real import unavailable
+    from meshsim.builders.real import unavailable, warn_if_untested
     from meshsim.usage.serial import BACKENDS
 
     if backend not in BACKENDS:
@@ -114,6 +114,7 @@ def _refuse_own_step(
     reason = unavailable(framework) or own.refusal(world_size, config)
     if reason is not None:
         raise UsageError(reason)
+    warn_if_untested(framework)
 
 
 def _own_step_equivalence(

@@ -104,3 +104,35 @@ def test_unknown_config_keys_are_refused() -> None:
     check_keys("megatron", {"tensor_model_parallel_size": 2})
     with pytest.raises(UsageError, match=r"takes no config key\(s\) \['tensor_parallel'\]"):
         check_keys("megatron", {"tensor_parallel": 2})
+
+
+def test_a_release_other_than_the_tested_one_is_named_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU image's transformers 5.17 failed inside the 5.23 adapter with a bare
+    AttributeError; the release that differs is now said before any rank starts."""
+    import warnings
+    from importlib import metadata
+
+    import meshsim
+    from meshsim.builders.real import untested_version, warn_if_untested
+    from meshsim.cli.main import _show_warning
+
+    try:
+        have = metadata.version("accelerate")
+    except metadata.PackageNotFoundError:
+        pytest.skip("accelerate is not installed")
+    monkeypatch.setitem(_shims.TESTED_VERSIONS, "accelerate", have)
+    assert untested_version("accelerate") is None
+    monkeypatch.setitem(_shims.TESTED_VERSIONS, "accelerate", "0.0.1")
+    note = untested_version("transformers")  # transformers' adapter needs accelerate too
+    assert note is not None and note.startswith(f"accelerate {have} is installed and meshsim's")
+    assert "tested with 0.0.1" in note and "pip install 'meshsim[transformers]'" in note
+    assert untested_version("no-such-framework") is None
+    with pytest.warns(meshsim.UntestedFrameworkWarning, match="tested with 0.0.1"):
+        warn_if_untested("accelerate")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_if_untested("accelerate")
+    _show_warning(seen[0].message, seen[0].category, "x.py", 1)
+    assert capsys.readouterr().err == f"meshsim: warning: {untested_version('accelerate')}\n"

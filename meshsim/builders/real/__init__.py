@@ -179,6 +179,50 @@ def _other_accelerate_release(config: Mapping[str, object]) -> str | None:
     )
 
 
+#: The distribution behind each module in ``REQUIRES`` (its version is what ``TESTED_VERSIONS``
+#: in ``_shims`` pins).
+_DISTRIBUTIONS: Final[Mapping[str, str]] = MappingProxyType(
+    {"olmo_core": "ai2-olmo-core", "megatron": "megatron-core"}
+)
+
+
+def untested_version(framework: str) -> str | None:
+    """Which installed release of ``framework`` meshsim's adapter was not tested with, said as
+    a user needs it (None when every one is the tested release, or the framework is absent).
+
+    An adapter reaches into a framework's own code, so another release may fail inside it with
+    an AttributeError that names nothing (transformers 5.17 has no ``dp_replicate``)."""
+    from importlib import metadata
+
+    from meshsim.builders.real._shims import TESTED_VERSIONS
+
+    for module in REQUIRES.get(framework, ()):
+        distribution = _DISTRIBUTIONS.get(module, module)
+        tested = TESTED_VERSIONS.get(distribution)
+        try:
+            have = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        if tested is not None and have != tested:
+            return (
+                f"{distribution} {have} is installed and meshsim's {framework} adapter is "
+                f"tested with {tested}; an error inside {distribution}'s code may come from "
+                f"that, {install_hint(framework)}"
+            )
+    return None
+
+
+def warn_if_untested(framework: str) -> None:
+    """Warn (``UntestedFrameworkWarning``) when ``untested_version`` has something to say."""
+    import warnings
+
+    from meshsim.errors import UntestedFrameworkWarning
+
+    note = untested_version(framework)
+    if note is not None:
+        warnings.warn(note, UntestedFrameworkWarning, stacklevel=3)
+
+
 def install_hint(framework: str) -> str:
     """How to get the real framework: ``pip install 'meshsim[olmo-core]'`` and the like."""
     if framework == "torch":
