@@ -75,16 +75,6 @@ def refusal(world_size: int, config: Mapping[str, Any], moe_layers: int) -> str 
         reason = _metadata_inference_refusal()
         if reason is not None:
             return reason
-    if int(config.get("cp", 1)) > 1 and config.get("spmd_backend") == "full_dtensor":
-        # Unresolved, so not run rather than reported: the same layout with partial_dtensor,
-        # and full_dtensor CP without pp, match their twins.
-        return (
-            f"torchtitan's own step with pp={pp}, cp={config['cp']} and "
-            "spmd_backend='full_dtensor' is not run yet: its first stage's gradients differ "
-            "from the serial twin's (attention wqkv 0.996 relative at world 4, pp=2 cp=2), on "
-            "torch 2.13 and 2.15 alike; whether torchtitan's full_dtensor pipeline inputs or "
-            "the step's CPU attention stand-ins cause it is not settled"
-        )
     moe = int(config.get("ep", 1)) > 1  # the layouts own_steps.torchtitan runs the MoE model
     model, layers = ("deepseek_v3 MoE", moe_layers) if moe else ("llama3", LLAMA3_LAYERS)
     slots = layers + 2  # pipeline_llm counts the embeddings and the output as a layer
