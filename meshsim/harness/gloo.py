@@ -319,7 +319,7 @@ class ProcessBackend:
         if r.death is not None:
             teardown = f"{r.death}; last output: {_tail(r.worker.output(), 3).strip()}"
         try:
-            value = pickling.loads(res["value"])
+            value = pickling.loads(res.pop("value"))  # its bytes go as the value comes
         except Exception as exc:
             return RankOutcome(
                 r.rank,

@@ -81,12 +81,20 @@ def _norm(array: Array) -> float:
     return float(np.linalg.norm(array.ravel()))
 
 
+def _wide(array: Array) -> Array:
+    """``array`` in float64: records keep float32 tensors as float32 (see ``Captured``), and
+    differences, norms and dot products of a million values need float64's accumulation."""
+    return np.asarray(array, dtype=np.float64)
+
+
 def _close(a: Array, s: Array, tol: tuple[float, float]) -> bool:
     rtol, atol = tol
+    a, s = _wide(a), _wide(s)
     return a.shape == s.shape and _norm(a - s) <= rtol * _norm(s) + atol
 
 
 def _relative(a: Array, s: Array) -> float:
+    a, s = _wide(a), _wide(s)
     scale = _norm(s)
     diff = _norm(a - s)
     return diff / scale if scale else diff
@@ -94,6 +102,7 @@ def _relative(a: Array, s: Array) -> float:
 
 def _ratio(a: Array, s: Array, tol: tuple[float, float]) -> float | None:
     """``r`` with ``a == r * s`` within tolerance (None: no such scalar)."""
+    a, s = _wide(a), _wide(s)
     ss = float(np.dot(s.ravel(), s.ravel()))
     if ss == 0.0:
         return None
@@ -228,7 +237,7 @@ def _over_kind(
                     break
                 first = members[0]
                 assert first is not None
-                stacked = np.stack([m.array for m in members if m is not None])
+                stacked = np.stack([_wide(m.array) for m in members if m is not None])
                 combined = stacked.sum(axis=0) if how == "sum" else stacked.mean(axis=0)
                 if not _close(combined, first.expected_part(full), tol):
                     break

@@ -179,7 +179,11 @@ class StepContext:
         dtype = str(value.dtype).removeprefix("torch.")
         full_tensor = getattr(value, "full_tensor", None)
         tensor = full_tensor() if callable(full_tensor) else value
-        array = tensor.detach().to("cpu", torch.float64).numpy().copy()
+        # A floating tensor of 32 bits or fewer is exact in float32: half a float64 copy, which
+        # matters when a world of ranks each hands back every full parameter and gradient.
+        narrow = tensor.is_floating_point() and tensor.element_size() <= 4
+        array = tensor.detach().to("cpu", torch.float32 if narrow else torch.float64)
+        array = array.numpy().copy()
         return Captured(array, dtype, self._shard(param), _role(param))
 
     def _shard(self, param: Any) -> Shard | None:
