@@ -173,11 +173,14 @@ class ProcessBackend:
         on_request = stopping.requested() and any(not r.finished for r in ranks)
         timed_out = bool(stuck) and grace is None and not diverged and not on_request
         status = "timeout" if timed_out else "aborted"
-        stopped = self._stop([r for r in ranks if not r.finished], job_dir)
-        if on_request:
+        if on_request:  # Ctrl-C or SIGTERM: nobody reads the stacks, so none is asked for
             for r in ranks:
                 r.kept = False  # stopped mid-body: the next job gets a new world
+                if not r.finished:
+                    r.stopped = True
+                    r.worker.kill()
             raise stopping.stopped(job.fn, job.world_size)
+        stopped = self._stop([r for r in ranks if not r.finished], job_dir)
         self._forward_output(ranks)
         outcomes = [self._outcome(r, stopped.get(r.rank), status) for r in ranks]
         info: dict[str, Any] = {"fn": job.fn, "backend": self.name, "world_size": job.world_size}

@@ -38,7 +38,7 @@ from typing import Any
 
 from meshsim import options, torch_private
 from meshsim.errors import MeshsimError
-from meshsim.harness import rendezvous
+from meshsim.harness import rendezvous, stopping
 from meshsim.harness.outcome import death_cause, signal_name
 
 #: Seconds a new worker may take to import torch (env ``MESHSIM_BOOT_TIMEOUT``).
@@ -516,6 +516,8 @@ class Pool:
                 surplus = self.idle.pop(0)
                 self._forget_world(surplus)
                 surplus.kill()
+            if stopping.requested():
+                return  # Ctrl-C or SIGTERM: no replacements for a process about to end
             for worker in broken[: max(0, keep - len(self.idle) - len(self.booting))]:
                 self.spawn(worker.gpus)
 
@@ -533,6 +535,8 @@ class Pool:
             if worker.ready:
                 with contextlib.suppress(OSError):
                     worker.send("exit")
+            else:  # still booting: it reads no "exit", so waiting for it would take the 5 s
+                worker.kill()
         deadline = time.monotonic() + 5
         for worker in workers:
             with contextlib.suppress(subprocess.TimeoutExpired):

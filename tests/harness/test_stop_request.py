@@ -41,3 +41,21 @@ def test_a_stop_request_ends_a_live_run_with_run_stopped(backend: str) -> None:
         stopping.clear()
     # The tier is usable again at once: the next run is not stopped by the old request.
     assert meshsim.run(lambda: 1, world_size=2, backend=backend) == [1, 1]
+
+
+def test_a_stopped_gloo_run_starts_no_replacement_workers() -> None:
+    """After a stop request the process is about to end: the killed ranks' workers are not
+    replaced (eight fresh workers booting as the user's Ctrl-C lands kept the interpreter's
+    exit waiting for them, 5 s, since a booting worker reads no "exit")."""
+    from meshsim.harness.pool import get_pool
+
+    assert meshsim.run(lambda: 1, world_size=2, backend="gloo") == [1, 1]  # 2 warm workers
+    pool = get_pool()
+    started = pool.count
+    stopping.request()
+    try:
+        with pytest.raises(RunStopped):
+            meshsim.run(_forever, world_size=2, backend="gloo", timeout=600)
+        assert pool.count == started  # none started for the run, none to replace its ranks
+    finally:
+        stopping.clear()
