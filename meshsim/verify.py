@@ -285,10 +285,7 @@ def _check(framework: str, real: bool) -> None:
             f"unknown framework {framework!r}; known frameworks: {', '.join(BUILDERS)}"
         )
     if real:
-        reason = real_adapters.unavailable(framework)
-        if reason is not None:
-            raise UsageError(reason)
-        real_adapters.warn_if_untested(framework)
+        real_adapters.require(framework)
 
 
 def _reference(

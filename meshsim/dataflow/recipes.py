@@ -169,12 +169,9 @@ def refuse(
     if wiring not in WIRINGS:
         raise UsageError(f"unknown wiring {wiring!r}; one of {', '.join(WIRINGS)}")
     if real:
-        from meshsim.builders.real import unavailable, warn_if_untested
+        from meshsim.builders.real import require
 
-        reason = unavailable(framework)
-        if reason is not None:
-            raise UsageError(reason)
-        warn_if_untested(framework)
+        require(framework)
     reason = unsupported(framework, config, backend, world_size=world_size)
     if reason is not None:
         raise UsageError(reason)

@@ -207,7 +207,7 @@ class Worker:
         self.world: _KeptWorld | None = None
         self.job_base: Any = None
         #: An nccl worker sees the caller's GPUs; a gloo worker none (see ``meshsim.harness.pool``).
-        self.gpus = os.environ.get("MESHSIM_WORKER_GPUS") == "1"
+        self.gpus = os.environ.get("MESHSIM_WORKER_GPUS") == "1"  # pool.GPUS_ENV (no import circle)
         if not self.gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything here starts the CUDA driver
 

@@ -99,7 +99,8 @@ def refusal(world_size: int, config: Mapping[str, Any]) -> str | None:
     if int(config.get("pp", 1)) > 1:
         from meshsim.own_steps import torchtitan_pp
 
-        reason = torchtitan_pp.refusal(world_size, config, MOE_LAYERS)
+        moe_layers = MOE_LAYERS if uses_experts(config) else None
+        reason = torchtitan_pp.refusal(world_size, config, moe_layers)
         if reason is not None:
             return reason
     cp = int(config.get("cp", 1))

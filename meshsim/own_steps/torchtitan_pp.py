@@ -67,16 +67,18 @@ STAGES_PER_RANK = 2
 LLAMA3_LAYERS = 6
 
 
-def refusal(world_size: int, config: Mapping[str, Any], moe_layers: int) -> str | None:
+def refusal(world_size: int, config: Mapping[str, Any], moe_layers: int | None) -> str | None:
     """Why the own step does not run this pp > 1 layout (None: it does); ``moe_layers`` is the
-    MoE model's layer count, which the caller (``own_steps.torchtitan``) keeps."""
+    MoE model's layer count where the layout runs that model, else None (the caller,
+    ``own_steps.torchtitan``, decides both)."""
     pp = int(config.get("pp", 1))
-    if int(config.get("ep", 1)) > 1:
+    if moe_layers is not None:
         reason = _metadata_inference_refusal()
         if reason is not None:
             return reason
-    moe = int(config.get("ep", 1)) > 1  # the layouts own_steps.torchtitan runs the MoE model
-    model, layers = ("deepseek_v3 MoE", moe_layers) if moe else ("llama3", LLAMA3_LAYERS)
+    model, layers = (
+        ("deepseek_v3 MoE", moe_layers) if moe_layers is not None else ("llama3", LLAMA3_LAYERS)
+    )
     slots = layers + 2  # pipeline_llm counts the embeddings and the output as a layer
     stages = pp * STAGES_PER_RANK
     if stages > slots:

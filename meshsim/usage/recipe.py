@@ -103,7 +103,7 @@ def equivalence_refusal(
 def _refuse_own_step(
     own: Any, framework: str, world_size: int, backend: str, config: Mapping[str, Any]
 ) -> None:
-    from meshsim.builders.real import unavailable, warn_if_untested
+    from meshsim.builders.real import require
     from meshsim.usage.serial import BACKENDS
 
     if backend not in BACKENDS:
@@ -111,10 +111,10 @@ def _refuse_own_step(
             f"the equivalence check needs real collectives, not backend {backend!r}; use "
             "--backend threaded or gloo"
         )
-    reason = unavailable(framework) or own.refusal(world_size, config)
+    require(framework)
+    reason = own.refusal(world_size, config)
     if reason is not None:
         raise UsageError(reason)
-    warn_if_untested(framework)
 
 
 def _own_step_equivalence(

@@ -115,7 +115,7 @@ def test_a_release_other_than_the_tested_one_is_named_with_the_fix(
     from importlib import metadata
 
     import meshsim
-    from meshsim.builders.real import untested_version, warn_if_untested
+    from meshsim.builders.real import require, untested_version
     from meshsim.cli.main import _show_warning
 
     try:
@@ -130,9 +130,9 @@ def test_a_release_other_than_the_tested_one_is_named_with_the_fix(
     assert "tested with 0.0.1" in note and "pip install 'meshsim[transformers]'" in note
     assert untested_version("no-such-framework") is None
     with pytest.warns(meshsim.UntestedFrameworkWarning, match="tested with 0.0.1"):
-        warn_if_untested("accelerate")
+        require("accelerate")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        warn_if_untested("accelerate")
+        require("accelerate")
     _show_warning(seen[0].message, seen[0].category, "x.py", 1)
     assert capsys.readouterr().err == f"meshsim: warning: {untested_version('accelerate')}\n"

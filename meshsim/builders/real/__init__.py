@@ -212,12 +212,16 @@ def untested_version(framework: str) -> str | None:
     return None
 
 
-def warn_if_untested(framework: str) -> None:
-    """Warn (``UntestedFrameworkWarning``) when ``untested_version`` has something to say."""
+def require(framework: str) -> None:
+    """Before a ``real=True`` check starts a rank: ``UsageError`` with ``unavailable``'s reason,
+    or an ``UntestedFrameworkWarning`` with ``untested_version``'s note."""
     import warnings
 
-    from meshsim.errors import UntestedFrameworkWarning
+    from meshsim.errors import UntestedFrameworkWarning, UsageError
 
+    reason = unavailable(framework)
+    if reason is not None:
+        raise UsageError(reason)
     note = untested_version(framework)
     if note is not None:
         warnings.warn(note, UntestedFrameworkWarning, stacklevel=3)
