@@ -39,7 +39,7 @@ from meshsim.harness.outcome import (
     timeout_error,
     trim_stack_text,
 )
-from meshsim.harness.pool import Worker, get_pool
+from meshsim.harness.pool import Worker, get_pool, kill_all
 from meshsim.harness.sites import as_traceback
 from meshsim.harness.waits import Waits
 
@@ -176,9 +176,8 @@ class ProcessBackend:
         if on_request:  # Ctrl-C or SIGTERM: nobody reads the stacks, so none is asked for
             for r in ranks:
                 r.kept = False  # stopped mid-body: the next job gets a new world
-                if not r.finished:
-                    r.stopped = True
-                    r.worker.kill()
+                r.stopped = not r.finished
+            kill_all(r.worker for r in ranks if r.stopped)
             raise stopping.stopped(job.fn, job.world_size)
         stopped = self._stop([r for r in ranks if not r.finished], job_dir)
         self._forward_output(ranks)
@@ -288,8 +287,7 @@ class ProcessBackend:
         for r in in_body:
             stack = _read(paths[r.rank]) or "(no stack: the process did not answer SIGUSR1)\n"
             info[r.rank] = (_faulthandler_to_text(stack), r.stream.where())  # type: ignore[union-attr]
-        for r in live:  # only now: a killed peer makes the others leave their collective
-            r.worker.kill()
+        kill_all(r.worker for r in live)  # only now: a killed peer ends the others' collective
         return info
 
     def _forward_output(self, ranks: list[_Rank]) -> None:

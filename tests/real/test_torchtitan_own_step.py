@@ -147,7 +147,12 @@ def test_a_loss_normalised_over_the_wrong_dims_is_named() -> None:
 
 @pytest.mark.parametrize(
     "schedule",
-    [None, "1F1B", pytest.param("GPipe", marks=pytest.mark.slow)],
+    # The debug config's own schedule runs by default; the other two are slow (CI's time).
+    [
+        None,
+        pytest.param("1F1B", marks=pytest.mark.slow),
+        pytest.param("GPipe", marks=pytest.mark.slow),
+    ],
     ids=["interleaved1f1b", "1f1b", "gpipe"],
 )
 def test_torchtitans_own_pp_step_matches_its_serial_twin(schedule: str | None) -> None:
@@ -455,6 +460,7 @@ def test_pp_with_ep_matches_once_metadata_inference_leaves_the_buffers_as_they_w
     assert result.comparison.passed and result.comparison.compared > 200
 
 
+@pytest.mark.slow  # 45 s quiet, 190 s in a loaded suite: the torch cause alone runs by default
 def test_full_dtensor_context_parallelism_with_one_row_microbatches_drops_attention_grads() -> None:
     """A finding in torchtitan 0.3.0 (docs/findings.md, "full_dtensor context parallelism loses
     the keys' and values' gradients with one row"): pp=2, cp=2 with full_dtensor and the debug

@@ -1,0 +1,54 @@
+"""The ``meshsim`` console script ends with ``os._exit`` after running what a normal exit runs
+(``meshsim.cli.main.console``): the reports, the atexit clean-up and the exit code must all
+be as they were with ``SystemExit``. Each test runs ``python -m meshsim`` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _meshsim(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TMPDIR": str(tmp), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "meshsim", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_a_gloo_check_and_sweep_leave_no_temp_file_and_write_their_reports(
+    tmp_path: Path,
+) -> None:
+    """The gloo pool's rendezvous folder is removed by an atexit handler: still run. (The
+    next meshsim process would remove a dead one's folders, so each run is checked alone.)"""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    verified = _meshsim("verify", "torch", "-n", "2", "--backend", "gloo", tmp=tmp)
+    assert verified.returncode == 0, verified.stderr
+    assert sorted(p.name for p in tmp.iterdir()) == []  # checked now: the next run sweeps
+    report = tmp_path / "sweep.json"
+    swept = _meshsim(
+        "sweep", "-n", "4", "--framework", "torch", "--backend", "gloo", "--limit", "2",
+        "--json", str(report), tmp=tmp,
+    )  # fmt: skip
+    assert swept.returncode == 0, swept.stderr
+    data = json.loads(report.read_text())
+    assert data["exit_code"] == 0 and len(data["results"]) == 2
+    assert sorted(p.name for p in tmp.iterdir()) == []
+
+
+def test_stdout_is_whole_and_exit_codes_are_kept(tmp_path: Path) -> None:
+    shown = _meshsim("show", "megatron", "-n", "64", "--tp", "4", "--json", "--all-groups",
+                     tmp=tmp_path)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["verb"] == "show"  # flushed to its last byte
+    refused = _meshsim("show", "megatron", "-n", "6", "--tp", "4", tmp=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    unknown = _meshsim("shwo", tmp=tmp_path)
+    assert unknown.returncode == 2 and "meshsim: error" in unknown.stderr
+    assert _meshsim("--version", tmp=tmp_path).returncode == 0
