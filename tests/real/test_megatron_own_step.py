@@ -198,3 +198,18 @@ def test_a_step_after_a_smaller_moe_model_in_the_same_process_runs() -> None:
     finally:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
     assert "over 2 steps" in str(result), result
+
+
+def test_moe_steps_leave_their_warm_workers_in_service() -> None:
+    """Each MoE step's model held its process groups in cycles through autograd's C++ nodes
+    (DDP's grad-accumulator hooks, the token dispatcher's routing tensors), which no garbage
+    collection frees: their gloo threads piled up until the pool retired the worker, and the
+    next step paid a fresh worker's megatron import (most of a world-8 sweep's time). The
+    same warm workers must serve step after step."""
+    from meshsim.harness.pool import pool_pids
+
+    _run(EP)
+    warm = pool_pids()
+    for _ in range(4):
+        _run(EP)
+    assert pool_pids() == warm
