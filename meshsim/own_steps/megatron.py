@@ -507,10 +507,10 @@ def _train(config: dict[str, Any], options: dict[str, bool], ps: Any, ctx: Any) 
             scheduler.step(increment=GLOBAL_BATCH)
         return recorder.parameters()
     finally:
-        _free_grad_hooks(ddp)
+        _cut_autograd_cycles(ddp)
 
 
-def _free_grad_hooks(ddp: Any) -> None:
+def _cut_autograd_cycles(ddp: Any) -> None:
     """Let the model, and the process groups it holds, be freed once the step ends.
 
     megatron's DDP hangs a hook that holds the DDP itself on each parameter's grad

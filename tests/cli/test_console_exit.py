@@ -5,20 +5,14 @@ be as they were with ``SystemExit``. Each test runs ``python -m meshsim`` in a s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli.helpers import run_cli
 
 
 def _meshsim(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TMPDIR": str(tmp), "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "meshsim", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return run_cli(*args, env={"TMPDIR": str(tmp)})  # env: always a subprocess
 
 
 def _ours(tmp: Path) -> list[str]:
