@@ -115,6 +115,8 @@ SURFACE: tuple[Private, ...] = (
             "ThreadLocalWorld": "the threaded tier's per-thread world",
             "ProcessLocalGroup": "the threaded tier's process group",
             "ProcessLocalGroup._terminate": "an aborted threaded world",
+            "ProcessLocalGroup._coll_lock": "the live-collective table's lock (abort)",
+            "ProcessLocalGroup._cur_coll_on_pgs": "the live collectives an abort wakes",
         },
     ),
     *_names(C10D, {"ProcessGroup._get_backend": "batch_isend_irecv on the threaded tier"}),
@@ -293,6 +295,26 @@ def threaded_pg() -> ModuleType:
 def threaded_world_aborted() -> bool:
     """The threaded world was aborted (a rank failed) while ranks were in a collective."""
     return bool(threaded_pg().ProcessLocalGroup._terminate.is_set())
+
+
+def abort_threaded_world() -> None:
+    """Make every rank thread waiting in a threaded collective, now or later, leave it.
+
+    The same steps as torch's ``ProcessLocalGroup.exception_handle`` (set the termination
+    event, wake each live collective's waiters), with the table of live collectives read
+    under the lock that guards it. torch walks that table unlocked while other ranks start
+    and end collectives in it, so an abort could raise "dictionary changed size during
+    iteration" and leave some waiters asleep. Waiters check the event before sleeping, so a
+    collective started after the table was read never blocks.
+    """
+    plg = threaded_pg().ProcessLocalGroup
+    plg._terminate.set()
+    with plg._coll_lock:
+        live = list(plg._cur_coll_on_pgs.values())
+    for coll in live:
+        for cond in (coll._start_cond, coll._done_cond):
+            with cond:
+                cond.notify_all()
 
 
 def make_threaded_group_its_own_backend(plg: type) -> None:

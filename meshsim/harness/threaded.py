@@ -82,7 +82,6 @@ class _Rank:
         import torch.distributed as dist
 
         run, job = self.run, self.run.job
-        plg = run.plg
         ctx = RankContext(rank=self.rank, world_size=job.world_size, backend="threaded")
         recorder.set_sink(self.sink)
         try:
@@ -110,10 +109,10 @@ class _Rank:
                 self.report(RankOutcome(self.rank, status=status, collective=where))
             else:
                 self.report(RankOutcome(self.rank, status="error", **exception_fields(exc)))
-                plg.exception_handle(exc)
+                torch_private.abort_threaded_world()
         except BaseException as exc:
             self.report(RankOutcome(self.rank, status="error", **exception_fields(exc)))
-            plg.exception_handle(exc)  # wake the ranks waiting for us in a collective
+            torch_private.abort_threaded_world()  # wake the ranks waiting for us
         finally:
             recorder.set_sink(None)
             if not run.abandoned:
@@ -146,9 +145,8 @@ class _Rank:
 
 
 class _Run:
-    def __init__(self, job: Job, plg: Any, store: Any) -> None:
+    def __init__(self, job: Job, store: Any) -> None:
         self.job = job
-        self.plg = plg
         self.store = store
         self.abandoned = False
         #: How the harness is ending the run ("timeout" / "aborted"), once it is.
@@ -221,7 +219,7 @@ class _Run:
         if not live:
             return ()
         self.stopping = status
-        self.plg.exception_handle(TimeoutError("meshsim: run stopped"))
+        torch_private.abort_threaded_world()
         deadline = time.monotonic() + JOIN_GRACE_S
         for r in live:
             r.thread.join(max(0.0, deadline - time.monotonic()))
@@ -279,7 +277,7 @@ class ThreadedBackend:
             ):
                 plg.reset()
                 mailbox.reset()
-                run = _Run(job, plg, dist.HashStore())
+                run = _Run(job, dist.HashStore())
                 deadline = time.monotonic() + job.timeout
                 on_request = False
                 try:
