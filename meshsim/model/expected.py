@@ -10,7 +10,7 @@ from typing import Any, Final, Literal, final
 import numpy as np
 
 from meshsim.errors import LayoutError
-from meshsim.model.groups import Group, Groups
+from meshsim.model.groups import FAMILIES, Group, Groups
 from meshsim.model.layout import Layout
 
 Role = Literal[
@@ -103,7 +103,7 @@ class Kind:
             raise self.source
         if not self._cache:
             groups = self.source if isinstance(self.source, Groups) else self.source()
-            self._cache.append(groups)
+            self._cache.append(FAMILIES.share(groups))
         return self._cache[0]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 
 from meshsim.model.expected import Expected, Kind
+from meshsim.model.groups import Groups
 
 
 def group_fingerprint(expected: Expected) -> str:
@@ -28,18 +29,22 @@ def group_fingerprint(expected: Expected) -> str:
     """
     parts: list[bytes] = []
     for kind in process_group_kinds(expected):
-        rows = kind.groups().canonical()
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(
-            repr((rows.shape, kind.partition, kind.keyed_by_first, *_dims(kind))).encode()
-        )
-        digest.update(rows.astype("<i8", copy=False).tobytes())
-        parts.append(digest.digest())
+        groups = kind.groups()
+        about = (kind.partition, kind.keyed_by_first, *_dims(kind))
+        parts.append(groups.derived(("fingerprint", about), _family_digest, groups, about))
     total = hashlib.blake2b(digest_size=12)
     total.update(str(expected.world_size).encode())
     for part in sorted(set(parts)):
         total.update(part)
     return total.hexdigest()
+
+
+def _family_digest(groups: Groups, about: tuple[object, ...]) -> bytes:
+    rows = groups.canonical()
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((rows.shape, *about)).encode())
+    digest.update(rows.astype("<i8", copy=False).tobytes())
+    return digest.digest()
 
 
 def process_group_kinds(expected: Expected) -> list[Kind]:

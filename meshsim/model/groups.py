@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, final
 
 import numpy as np
@@ -54,7 +55,7 @@ class Groups:
     ``groups.group_of(5) == (4, 5, 6, 7)`` and ``groups.local_rank(5) == 1``.
     """
 
-    __slots__ = ("_first_index", "_rows")
+    __slots__ = ("_first_index", "_memo", "_rows")
 
     def __init__(self, rows: Iterable[Iterable[int]] | npt.ArrayLike) -> None:
         array = np.asarray(rows if not isinstance(rows, Iterator) else list(rows), dtype=np.int64)
@@ -67,6 +68,7 @@ class Groups:
         array.flags.writeable = False
         self._rows = array
         self._first_index: npt.NDArray[np.int64] | None = None
+        self._memo: dict[Any, Any] = {}
 
     @classmethod
     def from_array(cls, array: npt.NDArray[np.int64]) -> Groups:
@@ -141,15 +143,39 @@ class Groups:
         return int(np.flatnonzero(self._rows[row] == rank)[0])
 
     def local_ranks(self, world_size: int) -> npt.NDArray[np.int64]:
-        """Local rank of every rank ``0..world_size-1`` (-1 when in no group), vectorised."""
+        """Local rank of every rank ``0..world_size-1`` (-1 when in no group), vectorised;
+        read-only, worked out once per world size."""
+        return self.derived(("local_ranks", world_size), self._local_ranks, world_size)
+
+    def _local_ranks(self, world_size: int) -> npt.NDArray[np.int64]:
         out = np.full(world_size, -1, dtype=np.int64)
         positions = np.broadcast_to(np.arange(self.group_size, dtype=np.int64), self._rows.shape)
         out[self._rows[::-1].ravel()] = positions[::-1].ravel()
         return out
 
+    def derived(self, key: Any, compute: Callable[..., Any], *args: Any) -> Any:
+        """``compute(*args)``, worked out once per ``key`` for this family and kept with it.
+
+        A family is immutable, and a sweep asks the same questions of the same family many
+        times (the layouts of a world share a few hundred families: ``Layout.groups`` hands
+        out one object per family), so answers are kept, never recomputed. A numpy answer
+        is made read-only: it is shared.
+        """
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = compute(*args)
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+            self._memo[key] = value
+            return value
+
     # -- set semantics --------------------------------------------------------------------
     def canonical(self) -> npt.NDArray[np.int64]:
-        """Rows sorted lexicographically: the form two equal families share."""
+        """Rows sorted lexicographically: the form two equal families share (read-only)."""
+        return self.derived("canonical", self._canonical)  # type: ignore[no-any-return]
+
+    def _canonical(self) -> npt.NDArray[np.int64]:
         if len(self) == 0:
             return self._rows
         firsts = self._rows[:, 0]
@@ -160,6 +186,10 @@ class Groups:
 
     def is_partition_of(self, world_size: int) -> bool:
         """True when every rank ``0..world_size-1`` sits in exactly one group."""
+        answer: bool = self.derived(("partition", world_size), self._is_partition_of, world_size)
+        return answer
+
+    def _is_partition_of(self, world_size: int) -> bool:
         if self._rows.size != world_size:
             return False
         if world_size == 0:
@@ -188,6 +218,46 @@ class Groups:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Groups, (self._rows.tolist(),))
+
+
+class FamilyTable:
+    """One :class:`Groups` object per family, by a key that decides its rows, so that what is
+    worked out for a family (``Groups.derived``) is worked out once however many layouts
+    make it. Bounded: past ``kept`` families the oldest go (a family of a 1,024-rank world
+    holds 8 KiB and its answers). Safe to share between rank threads."""
+
+    def __init__(self, kept: int = 2048) -> None:
+        self._kept = kept
+        self._families: dict[Any, Groups] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, make: Callable[[], Groups]) -> Groups:
+        """The family kept under ``key``, made by ``make()`` the first time."""
+        found = self._families.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._families.get(key)
+            if found is None:
+                while len(self._families) >= self._kept:
+                    del self._families[next(iter(self._families))]
+                found = self._families[key] = make()
+        return found
+
+    def share(self, groups: Groups) -> Groups:
+        """The family kept with ``groups``' rows (``groups`` itself the first time). A
+        subclass (``HeldGroups``: who holds a group matters too) is never shared."""
+        if type(groups) is not Groups or groups._memo.get("shared"):
+            return groups
+        rows = groups._rows
+        key = (rows.shape, rows.tobytes())
+        found = self.get(key, lambda: groups)
+        found._memo["shared"] = True
+        return found
+
+
+#: The families of every reference layout, shared (``Layout.groups``, ``Kind.groups``).
+FAMILIES = FamilyTable()
 
 
 def format_groups(groups: Iterable[Group], limit: int = 8, total: int | None = None) -> str:

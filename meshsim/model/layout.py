@@ -22,7 +22,7 @@ import numpy.typing as npt
 from meshsim.errors import LayoutError
 from meshsim.model import mesh_layout as _ml
 from meshsim.model import torch_release
-from meshsim.model.groups import Group, Groups, RankGroup
+from meshsim.model.groups import FAMILIES, Group, Groups, RankGroup
 
 AxisSpec = tuple[str, int]
 
@@ -40,7 +40,16 @@ class Layout:
     mesh_dim_names=("dp", "tp"))`` does.
     """
 
-    __slots__ = ("_aliases", "_dims", "_grid", "_identity", "_named", "_names", "_position")
+    __slots__ = (
+        "_affine",
+        "_aliases",
+        "_dims",
+        "_grid",
+        "_identity",
+        "_named",
+        "_names",
+        "_position",
+    )
 
     def __init__(self, axes: Iterable[AxisSpec] | Mapping[str, int] = (), /, **sizes: int) -> None:
         pairs = _axis_pairs(axes) + list(sizes.items())
@@ -71,6 +80,8 @@ class Layout:
         self._named = named
         self._position: npt.NDArray[np.int64] | None = None
         self._identity: bool | None = None
+        #: What is learnt of the grid once for every view of it: [(first, strides) or False].
+        self._affine: list[tuple[int, tuple[int, ...]] | bool] = []
 
     @classmethod
     def _make(cls, *state: Any, **options: Any) -> Layout:
@@ -78,6 +89,13 @@ class Layout:
         layout = cls.__new__(cls)
         layout._init(*state, **options)
         return layout
+
+    def _view(self, dims: tuple[str, ...], aliases: Mapping[str, tuple[int, ...]]) -> Layout:
+        """Another view of this grid: what was learnt of the grid comes along."""
+        view = Layout._make(self._grid, self._names, dims, aliases, named=self._named)
+        view._identity, view._position = self._identity, self._position
+        view._affine = self._affine  # one list for every view of the grid: learnt once
+        return view
 
     @classmethod
     def from_order(cls, order: str, **sizes: int) -> Layout:
@@ -194,7 +212,7 @@ class Layout:
 
     def root(self) -> Layout:
         """The root view: every root axis, with every registered alias."""
-        return Layout._make(self._grid, self._names, self._names, self._aliases, named=self._named)
+        return self._view(self._names, self._aliases)
 
     def ranks(self) -> npt.NDArray[np.int64]:
         """All ranks of the grid, ascending."""
@@ -332,8 +350,33 @@ class Layout:
         return self._grid.transpose(others + axes).reshape(-1, size)
 
     def groups(self, *dims: str | int) -> Groups:
-        """All groups spanning ``dims`` (all of this view's dims when none), as :class:`Groups`."""
-        return Groups.from_array(self.groups_array(*dims))
+        """All groups spanning ``dims`` (all of this view's dims when none), as :class:`Groups`.
+
+        Where the grid is strided (``rank = first + sum(coordinate * stride)``: every grid a
+        framework convention builds), one object stands for each family, shared by every
+        layout that spans it: a sweep's tens of thousands of layouts share a few hundred
+        families, whose answers (``Groups.derived``) are then worked out once.
+        """
+        axes = self._resolve(dims)
+        key = self._family_key(axes)
+        if key is None:
+            return FAMILIES.share(Groups.from_array(self.groups_array(*dims)))
+        found = FAMILIES.get(key, lambda: Groups.from_array(self.groups_array(*dims)))
+        found._memo["shared"] = True
+        return found
+
+    def _family_key(self, axes: tuple[int, ...]) -> tuple[Any, ...] | None:
+        """What decides the groups spanning root ``axes`` row for row, on a strided grid:
+        the first rank, then (size, stride) of the spanned axes and of the others, each in
+        root order (``_merged``). None on a grid that is not strided."""
+        if not self._affine:
+            self._affine.append(_strides_of(self._grid) or False)
+        if self._affine[0] is False:
+            return None
+        first, strides = self._affine[0]  # type: ignore[misc]
+        shape = self._grid.shape
+        others = (a for a in range(len(shape)) if a not in axes)
+        return (first, _merged(shape, strides, axes), _merged(shape, strides, others))
 
     # -- DeviceMesh transformations -------------------------------------------------------
     def _require_names(self, verb: str) -> None:
@@ -373,7 +416,7 @@ class Layout:
                 f"ascending order; use {wanted}.",
                 upstream="KeyError",
             )
-        return Layout._make(self._grid, self._names, names, self._aliases)
+        return self._view(names, self._aliases)
 
     def _slice_in_order(self, spans: Sequence[tuple[int, ...]]) -> bool:
         """Whether torch (the release described) takes the sliced dims in this order."""
@@ -433,7 +476,7 @@ class Layout:
                 upstream="ValueError",
             )
         aliases = {**self._aliases, name: axes}
-        return Layout._make(self._grid, self._names, (name,), aliases)
+        return self._view((name,), aliases)
 
     def unflatten(self, dim: str | int, sizes: Sequence[int], names: Sequence[str]) -> Layout:
         """Split one dim into several, row-major (the first new name gets the largest stride).
@@ -645,6 +688,37 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
     for c, s in zip(coords, sizes):
         index = index * int(s) + int(c)
     return index
+
+
+def _merged(
+    shape: Sequence[int], strides: Sequence[int], axes: Iterable[int]
+) -> tuple[tuple[int, int], ...]:
+    """(size, stride) of ``axes`` in order, size-1 axes left out and neighbours merged where
+    the outer one strides over the whole inner one (``(4, 2), (2, 1)`` is ``(8, 1)``): the
+    ranks they reach, row-major, are the same in the same order."""
+    merged: list[tuple[int, int]] = []
+    for axis in axes:
+        size, stride = int(shape[axis]), int(strides[axis])
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    return tuple(merged)
+
+
+def _strides_of(grid: npt.NDArray[np.int64]) -> tuple[int, tuple[int, ...]] | None:
+    """``(first, strides)`` with ``grid[c] == first + sum(c[a] * strides[a])``, or None."""
+    first = int(grid.flat[0])
+    strides = []
+    built = np.full((), first, dtype=np.int64)
+    for axis, size in enumerate(grid.shape):
+        step = (0,) * axis + (min(1, size - 1),) + (0,) * (grid.ndim - axis - 1)
+        stride = int(grid[step]) - first
+        strides.append(stride)
+        built = built[..., None] + np.arange(size, dtype=np.int64) * stride
+    return (first, tuple(strides)) if np.array_equal(built, grid) else None
 
 
 def _is_identity(grid: npt.NDArray[np.int64]) -> bool:

@@ -32,8 +32,8 @@ class HeldGroups(Groups):  # type: ignore[misc]  # Groups is final; see the clas
     def _index(self) -> npt.NDArray[np.int64]:
         return self._owner
 
-    def local_ranks(self, world_size: int) -> npt.NDArray[np.int64]:
-        out = super().local_ranks(world_size)
+    def _local_ranks(self, world_size: int) -> npt.NDArray[np.int64]:
+        out = super()._local_ranks(world_size)
         held = np.zeros(world_size, dtype=bool)
         size = min(world_size, self._owner.size)
         held[:size] = self._owner[:size] >= 0
