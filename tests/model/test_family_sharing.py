@@ -34,9 +34,7 @@ def test_shared_families_hold_exactly_the_rows_of_their_layout(layout: Layout, d
     spanned = tuple(d for d in layout.dim_names if d in dims)
     assert np.array_equal(layout.groups(*spanned).array, _unshared(layout, *spanned))
     # the same family reached through an unflattened world, a flattened alias, a slice
-    world = Layout(world=layout.world_size).unflatten(
-        "world", layout.root_shape, layout.root_names
-    )
+    world = Layout(world=layout.world_size).unflatten("world", layout.root_shape, layout.root_names)
     assert np.array_equal(world.groups(*spanned).array, _unshared(layout, *spanned))
 
 
