@@ -76,6 +76,7 @@ SURFACE: tuple[Private, ...] = (
             "_get_default_group": "the world group of the running rank",
             "_get_default_store": "ranks' claimed groups, compared before proving",
             "_resolve_process_group": "group names in recorded calls",
+            "STORE_BASED_BARRIER_PREFIX": "the new-group barrier's keys (threaded)",
             "_new_group_with_tag": "the fake fast path: a body that patched new_group",
             "_is_barrier_after_init": "the fake fast path: TORCH_DIST_INIT_BARRIER",
             "ProcessGroup._get_sequence_number_for_group": "a kept world's health mark",
@@ -117,6 +118,8 @@ SURFACE: tuple[Private, ...] = (
             "ProcessLocalGroup._terminate": "an aborted threaded world",
             "ProcessLocalGroup._coll_lock": "the live-collective table's lock (abort)",
             "ProcessLocalGroup._cur_coll_on_pgs": "the live collectives an abort wakes",
+            "Collective.join": "a collective's wait, stepped out of the RNG lock",
+            "_store_based_barrier": "the new-group barrier, made abortable",
         },
     ),
     *_names(C10D, {"ProcessGroup._get_backend": "batch_isend_irecv on the threaded tier"}),
@@ -343,6 +346,11 @@ def make_threaded_group_its_own_backend(plg: type) -> None:
 
 def register_fake_backend() -> None:
     importlib.import_module(FAKE_PG)  # importing registers the "fake" backend
+
+
+def store_barrier_prefix() -> str:
+    """The store key prefix of c10d's barrier after ``new_group``."""
+    return str(sys.modules[C10D].STORE_BASED_BARRIER_PREFIX)
 
 
 def threaded_group_rank(group: Any) -> int:

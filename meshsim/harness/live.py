@@ -13,6 +13,7 @@ Each sink also keeps its full sequence, which ``replay`` feeds to the fake tier'
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -39,14 +40,12 @@ class LiveTable:
             if self.closed:
                 return
             if self.divergence is not None:  # the run is already broken: do not start more
-                raise self.divergence
+                raise copy.copy(self.divergence)  # each rank's traceback its own
             seen = self._first.setdefault(slot, (rank, call))
             if seen[0] == rank or _key(seen[1]) == _key(call):
                 return
-            err = self._error(slot, index, seen, (rank, call))
-            if self.divergence is None:
-                self.divergence = err
-        raise err
+            self.divergence = self._error(slot, index, seen, (rank, call))
+        raise copy.copy(self.divergence)
 
     def _error(
         self, slot: tuple, index: int, a: tuple[int, Call], b: tuple[int, Call]

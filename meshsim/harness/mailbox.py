@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshsim import torch_private
+from meshsim.harness import rng
 
 #: How often a blocked ``wait`` looks at the threaded world's abort flag.
 POLL_S = 0.05
@@ -83,9 +84,10 @@ def _make_work_type(plg: Any) -> type:
 
         def wait(self, timeout: Any = None) -> bool:
             del timeout  # the harness's deadline applies
-            while self.receive is not None and not self.receive.done.wait(POLL_S):
-                if torch_private.threaded_world_aborted():
-                    sys.exit("Test termination event occurs.")  # as torch's threaded collectives
+            with rng.stepped_out():
+                while self.receive is not None and not self.receive.done.wait(POLL_S):
+                    if torch_private.threaded_world_aborted():
+                        sys.exit("Test termination event occurs.")  # as torch's collectives
             return True
 
         def is_completed(self) -> bool:

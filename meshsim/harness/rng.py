@@ -129,6 +129,8 @@ class RankStreams:
         self.torch_state = _fresh_torch_state()
         self.random = random.Random()
         self.numpy = numpy.random.RandomState()
+        #: The global generator's state this rank's swap put aside (None: not swapped in).
+        self._put_aside: Any = None
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -136,13 +138,60 @@ class RankStreams:
         import torch
 
         with _swap:
-            caller = torch.default_generator.get_state()
-            torch.default_generator.set_state(self.torch_state)
+            outermost = self._put_aside is None
+            if outermost:
+                self._put_aside = torch.default_generator.get_state()
+                torch.default_generator.set_state(self.torch_state)
             try:
                 yield
             finally:
-                self.torch_state = torch.default_generator.get_state()
-                torch.default_generator.set_state(caller)
+                if outermost:
+                    self.torch_state = torch.default_generator.get_state()
+                    torch.default_generator.set_state(self._put_aside)
+                    self._put_aside = None
+
+    @contextmanager
+    def stepped_out(self) -> Iterator[None]:
+        """Around a wait for other ranks inside a random call: this rank's state is put back
+        and the lock released until the wait is over.
+
+        A random op on a DTensor can run a collective (a redistribution, the RNG tracker's
+        seed broadcast); a rank holding the lock there would wait for peers that wait for the
+        lock to draw themselves: a hang no real job has.
+        """
+        import torch
+
+        if self._put_aside is None:  # not inside a random call
+            yield
+            return
+        self.torch_state = torch.default_generator.get_state()
+        torch.default_generator.set_state(self._put_aside)
+        self._put_aside = None
+        held = 0
+        while True:  # an RLock: every level this thread took
+            try:
+                _swap.release()
+            except RuntimeError:
+                break
+            held += 1
+        try:
+            yield
+        finally:
+            for _ in range(held):
+                _swap.acquire()
+            self._put_aside = torch.default_generator.get_state()
+            torch.default_generator.set_state(self.torch_state)
+
+
+@contextmanager
+def stepped_out() -> Iterator[None]:
+    """:meth:`RankStreams.stepped_out` for the calling rank thread; nothing elsewhere."""
+    streams = _rank_streams()
+    if streams is None:
+        yield
+        return
+    with streams.stepped_out():
+        yield
 
 
 def _rank_streams() -> RankStreams | None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from meshsim import torch_private
 from meshsim.errors import MeshsimError
-from meshsim.harness import mailbox, rank_env, recorder, rng, stopping
+from meshsim.harness import mailbox, rank_env, recorder, rng, stopping, threaded_waits
 from meshsim.harness.backend import Job
 from meshsim.harness.context import RankContext, rank_context
 from meshsim.harness.isolation import isolated_world
@@ -265,6 +265,7 @@ class ThreadedBackend:
         _wait_for_survivors(job.timeout)
         plg = torch_private.threaded_pg().ProcessLocalGroup
         mailbox.install(plg)  # point-to-point, which torch's threaded backend lacks
+        threaded_waits.install(torch_private.threaded_pg())  # abortable, out of the RNG lock
         torch_private.settle_cuda_device_guard()  # before rank threads race to (torch 2.10)
         recorder.install()
         survivors: tuple[int, ...] = ()
@@ -279,7 +280,7 @@ class ThreadedBackend:
                 mailbox.reset()
                 run = _Run(job, dist.HashStore())
                 deadline = time.monotonic() + job.timeout
-                on_request = False
+                on_request = stopped = False
                 try:
                     for r in run.ranks:
                         r.thread.start()
@@ -287,8 +288,10 @@ class ThreadedBackend:
                     on_request = not diverged and bool(run.alive()) and stopping.requested()
                     timed_out = not diverged and bool(run.alive()) and time.monotonic() >= deadline
                     timed_out = timed_out and not on_request
-                    survivors = run.stop("timeout" if timed_out else "aborted")
+                    survivors, stopped = run.stop("timeout" if timed_out else "aborted"), True
                 finally:
+                    if not stopped:  # the wait itself raised (Ctrl-C): no rank outlives the run
+                        run.stop("aborted")
                     plg.reset()
                     mailbox.reset()
         finally:

@@ -67,7 +67,7 @@ def test_every_world8_layout_passes(case: tuple[str, dict[str, Any]], backend: s
     """threaded as gloo: each threaded rank draws from its own generator, so HSDP is exact
     there too (it was refused on threaded before)."""
     framework, config = case
-    reason = unsupported(framework, config, backend)
+    reason = unsupported(framework, config, backend, world_size=8)  # dp_shard=-1 inferred
     if reason is not None:
         pytest.skip(reason)
     result = check_dataflow(framework, 8, backend, **config)
