@@ -49,6 +49,7 @@ class Layout:
         "_named",
         "_names",
         "_position",
+        "_shape",
     )
 
     def __init__(self, axes: Iterable[AxisSpec] | Mapping[str, int] = (), /, **sizes: int) -> None:
@@ -80,6 +81,7 @@ class Layout:
         self._named = named
         self._position: npt.NDArray[np.int64] | None = None
         self._identity: bool | None = None
+        self._shape: tuple[int, ...] | None = None
         #: What is learnt of the grid once for every view of it: [(first, strides) or False].
         self._affine: list[tuple[int, tuple[int, ...]] | bool] = []
 
@@ -172,7 +174,9 @@ class Layout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._dim_size(d) for d in self._dims)
+        if self._shape is None:
+            self._shape = tuple(self._dim_size(d) for d in self._dims)
+        return self._shape
 
     @property
     def ndim(self) -> int:
@@ -221,7 +225,12 @@ class Layout:
     # -- name resolution ------------------------------------------------------------------
     def _axes_of(self, dim: str | int) -> tuple[int, ...]:
         """Root axis indices a dim spans (several for a flattened alias)."""
-        if isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
+        if dim.__class__ is str:  # the common case, first
+            if dim in self._names:
+                return (self._names.index(dim),)
+            if dim in self._aliases:
+                return self._aliases[dim]
+        elif isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
             if not -self.ndim <= dim < self.ndim:
                 raise LayoutError(
                     f"dim index {dim} is out of range for a {self.ndim}-D layout {self.dim_names}"

@@ -37,7 +37,12 @@ def installed() -> tuple[int, int] | None:
 
 def target() -> tuple[int, int] | None:
     """The release the reference describes; None for the newest."""
-    pinned = os.environ.get("MESHSIM_TORCH_RELEASE", "").strip()
+    return _target(os.environ.get("MESHSIM_TORCH_RELEASE", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _target(setting: str) -> tuple[int, int] | None:
+    pinned = setting.strip()
     if pinned == "newest":
         return None
     if pinned:

@@ -235,12 +235,13 @@ class _Views:
         ``build_mesh`` unflattened a dim it counts as off; the world's elsewhere (``world``
         and the flattened ``loss_mesh`` come from ``init_device_mesh`` and ``_flatten``,
         which take no override)."""
-        return tuple(
-            None
-            if dim in ("world", "loss_mesh") or self.mesh_exist(dim, mesh.size_of(dim))
-            else "fake"
-            for dim in mesh.dim_names
-        )
+        key = ("backends", mesh.dim_names, mesh.shape)
+        if key not in self.memo:
+            self.memo[key] = tuple(
+                None if dim in ("world", "loss_mesh") or self.mesh_exist(dim, size) else "fake"
+                for dim, size in zip(mesh.dim_names, mesh.shape)
+            )
+        return self.memo[key]  # type: ignore[no-any-return]
 
     def _storage_backends(self) -> tuple[str, ...]:
         """Backends under which ``dp_shard`` is the dense storage axis, kept real at size 1.
