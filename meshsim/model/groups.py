@@ -200,6 +200,8 @@ class Groups:
         return bool((np.bincount(flat, minlength=world_size) == 1).all())
 
     def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
         if not isinstance(other, Groups):
             try:
                 other = Groups(other)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ reshape, and per-rank queries cost O(ndim).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -111,24 +112,12 @@ class Layout:
         """
         if not isinstance(order, str):
             raise LayoutError(f"order must be a string such as 'tp-dp-pp', got {order!r}")
-        tokens = [t for t in order.split("-") if t] if order else []
-        _check_unique(tokens, what="order tokens")
-        unknown = [t for t in tokens if t not in sizes]
-        if unknown:
-            raise LayoutError(
-                f"order {order!r} names {unknown} but no size was given for "
-                f"{'it' if len(unknown) == 1 else 'them'}; sizes given: {sorted(sizes)}"
-            )
-        for name, size in sizes.items():
-            if name not in tokens:
-                if _check_size(name, size) != 1:
-                    raise LayoutError(
-                        f"The size of ({name}) is ({size}), but you haven't specified the order "
-                        f"({order!r}).",
-                        upstream="RuntimeError",
-                    )
-                tokens.append(name)
-        return cls([(t, sizes[t]) for t in reversed(tokens)])
+        items = tuple(sizes.items())
+        try:
+            hash(items)
+        except TypeError:  # a size that is no int: refused below, with its name
+            return _from_order.__wrapped__(order, items)
+        return _from_order(order, items)
 
     @classmethod
     def from_topology(cls, axes: Sequence[str], dims: Sequence[int]) -> Layout:
@@ -629,6 +618,31 @@ def check_world_size(size: int, what: str = "") -> None:
             f"world size {size}{where} is over the reference's limit of {MAX_WORLD_SIZE} ranks "
             "(2**22): meshsim holds every rank of the world in memory"
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_order(order: str, items: tuple[tuple[str, int], ...]) -> Layout:
+    """``Layout.from_order``, kept: a Layout is a value, and megatron's sweeps build the same
+    grid for many configs (the dense and expert generators of every candidate)."""
+    sizes = dict(items)
+    tokens = [t for t in order.split("-") if t] if order else []
+    _check_unique(tokens, what="order tokens")
+    unknown = [t for t in tokens if t not in sizes]
+    if unknown:
+        raise LayoutError(
+            f"order {order!r} names {unknown} but no size was given for "
+            f"{'it' if len(unknown) == 1 else 'them'}; sizes given: {sorted(sizes)}"
+        )
+    for name, size in sizes.items():
+        if name not in tokens:
+            if _check_size(name, size) != 1:
+                raise LayoutError(
+                    f"The size of ({name}) is ({size}), but you haven't specified the order "
+                    f"({order!r}).",
+                    upstream="RuntimeError",
+                )
+            tokens.append(name)
+    return Layout([(t, sizes[t]) for t in reversed(tokens)])
 
 
 def _axis_pairs(axes: object) -> list[tuple[Any, Any]]:

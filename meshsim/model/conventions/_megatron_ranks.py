@@ -128,10 +128,9 @@ class RankGenerator:
 
     def get_ranks(self, token: str) -> Groups:
         """All groups spanning the axes of ``token`` (e.g. ``"tp-dp"``)."""
-        groups = self.layout.groups_array(*self.dims(token))
-        if self.rank_offset:
-            groups = groups + self.rank_offset
-        return Groups.from_array(groups)
+        if not self.rank_offset:
+            return self.layout.groups(*self.dims(token))  # shared with every equal family
+        return Groups.from_array(self.layout.groups_array(*self.dims(token)) + self.rank_offset)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={self.layout.size_of(n)}" for n in TOKENS)
