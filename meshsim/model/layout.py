@@ -407,7 +407,7 @@ class Layout:
             raise LayoutError(
                 f"Slicing overlapping dim_names {names} is not allowed.", upstream="RuntimeError"
             )
-        if not self._slice_in_order(spans):
+        if (len(spans) > 1 or len(spans[0]) > 1) and not self._slice_in_order(spans):
             wanted = tuple(sorted(names, key=lambda n: min(self._axes_of(n))))
             raise LayoutError(
                 f"Invalid mesh_dim_names {names} specified. Mesh dim indices should be in "
@@ -417,7 +417,8 @@ class Layout:
         return self._view(names, self._aliases)
 
     def _slice_in_order(self, spans: Sequence[tuple[int, ...]]) -> bool:
-        """Whether torch (the release described) takes the sliced dims in this order."""
+        """Whether torch (the release described) takes the sliced dims in this order (one
+        root axis alone always is, on every release)."""
         rule = torch_release.slice_order_rule()
         if rule == "collapsed":  # torch >= 2.13 compares collapsed layouts: size-1 modes vanish
             effective = [a for span in spans for a in span if self._grid.shape[a] != 1]
