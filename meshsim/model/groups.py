@@ -225,13 +225,20 @@ class Groups:
 class FamilyTable:
     """One :class:`Groups` object per family, by a key that decides its rows, so that what is
     worked out for a family (``Groups.derived``) is worked out once however many layouts
-    make it. Bounded: past ``kept`` families the oldest go (a family of a 1,024-rank world
-    holds 8 KiB and its answers). Safe to share between rank threads."""
+    make it. Bounded: the oldest families go past ``kept`` families or ``budget`` bytes of
+    rows, and a family of more than ``largest`` bytes (a world of over 131,072 ranks) is
+    never kept: hashing it would cost more than its answers. Safe to share between rank
+    threads."""
 
-    def __init__(self, kept: int = 2048) -> None:
-        self._kept = kept
+    def __init__(self, kept: int = 4096, budget: int = 64 << 20, largest: int = 1 << 20) -> None:
+        self._kept, self._budget, self._largest = kept, budget, largest
         self._families: dict[Any, Groups] = {}
+        self._bytes = 0
         self._lock = threading.Lock()
+
+    def keeps(self, size: int) -> bool:
+        """Whether a family of ``size`` bytes of rows would be kept."""
+        return size <= self._largest
 
     def get(self, key: Any, make: Callable[[], Groups]) -> Groups:
         """The family kept under ``key``, made by ``make()`` the first time."""
@@ -240,10 +247,19 @@ class FamilyTable:
             return found
         with self._lock:
             found = self._families.get(key)
-            if found is None:
-                while len(self._families) >= self._kept:
-                    del self._families[next(iter(self._families))]
-                found = self._families[key] = make()
+            if found is not None:
+                return found
+            found = make()
+            size = found._rows.nbytes
+            if not self.keeps(size):
+                return found
+            while self._families and (
+                len(self._families) >= self._kept or self._bytes + size > self._budget
+            ):
+                oldest = self._families.pop(next(iter(self._families)))
+                self._bytes -= oldest._rows.nbytes
+            self._families[key] = found
+            self._bytes += size
         return found
 
     def share(self, groups: Groups) -> Groups:
@@ -252,6 +268,8 @@ class FamilyTable:
         if type(groups) is not Groups or groups._memo.get("shared"):
             return groups
         rows = groups._rows
+        if not self.keeps(rows.nbytes):
+            return groups
         key = (rows.shape, rows.tobytes())
         found = self.get(key, lambda: groups)
         found._memo["shared"] = True

@@ -356,7 +356,7 @@ class Layout:
         families, whose answers (``Groups.derived``) are then worked out once.
         """
         axes = self._resolve(dims)
-        key = self._family_key(axes)
+        key = self._family_key(axes) if FAMILIES.keeps(self._grid.nbytes) else None
         if key is None:
             return FAMILIES.share(Groups.from_array(self.groups_array(*dims)))
         found = FAMILIES.get(key, lambda: Groups.from_array(self.groups_array(*dims)))

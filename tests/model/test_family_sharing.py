@@ -92,3 +92,26 @@ def test_groups_whose_holders_matter_are_never_shared() -> None:
     assert FAMILIES.share(held) is held
     assert Kind("h", "", lambda: held).groups().local_ranks(4).tolist() == [0, 1, -1, 1]
     assert Kind("p", "", lambda: Groups(rows)).groups().local_ranks(4).tolist() == [0, 1, 0, 1]
+
+
+def test_families_of_huge_worlds_are_not_kept() -> None:
+    """A family of a 262,144-rank world (2 MiB of rows) is answered, never kept: hashing and
+    holding such families would cost more than their answers save."""
+    big = Layout(dp=2, tp=1 << 17)
+    tp = big.groups("tp")
+    assert tp.array.shape == (2, 1 << 17) and tp.array[1, 0] == 1 << 17
+    assert big.groups("tp") is not tp
+    assert Kind("k", "", lambda: Groups(big.groups_array("dp"))).groups().group_size == 2
+
+
+def test_the_table_keeps_to_its_budget() -> None:
+    from meshsim.model.groups import FamilyTable
+
+    table = FamilyTable(kept=3, budget=1 << 20)
+    made = [table.get(n, lambda n=n: Groups([(n, n + 1)])) for n in range(5)]
+    assert table.get(4, lambda: Groups([(9, 9)])) is made[4]  # kept
+    assert table.get(0, lambda: Groups([(0, 1)])) is not made[0]  # the oldest went
+    small = FamilyTable(budget=64)  # room for four 16-byte families
+    firsts = [small.get(n, lambda n=n: Groups([(n, n + 1)])) for n in range(5)]
+    assert small.get(1, lambda: Groups([(1, 2)])) is firsts[1]
+    assert small.get(0, lambda: Groups([(0, 1)])) is not firsts[0]  # past the budget: gone
