@@ -63,17 +63,16 @@ def _barrier(
     if store.add(key, 0) == rendezvous_count:
         store.set(last, "1")
     deadline = time.monotonic() + timeout.total_seconds()
-    with rng.stepped_out():
-        while True:
-            try:
-                store.wait([last], timedelta(seconds=SLICE_S))
-                return
-            except RuntimeError:
-                if torch_private.threaded_world_aborted():
-                    sys.exit("Test termination event occurs.")  # as torch's collectives
-                if time.monotonic() > deadline:
-                    raise DistStoreError(
-                        f"Timed out initializing process group in store based barrier on rank "
-                        f"{rank}, for key: {key} (world_size={rendezvous_count}, "
-                        f"num_workers_joined={store.add(key, 0)}, timeout={timeout})"
-                    ) from None
+    while True:
+        try:
+            store.wait([last], timedelta(seconds=SLICE_S))
+            return
+        except RuntimeError:
+            if torch_private.threaded_world_aborted():
+                sys.exit("Test termination event occurs.")  # as torch's collectives
+            if time.monotonic() > deadline:
+                raise DistStoreError(
+                    f"Timed out initializing process group in store based barrier on rank "
+                    f"{rank}, for key: {key} (world_size={rendezvous_count}, "
+                    f"num_workers_joined={store.add(key, 0)}, timeout={timeout})"
+                ) from None

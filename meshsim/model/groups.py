@@ -250,6 +250,7 @@ class FamilyTable:
             if found is not None:
                 return found
             found = make()
+            found._memo["shared"] = True  # handed out by the table: never looked up again
             size = found._rows.nbytes
             if not self.keeps(size):
                 return found
@@ -270,10 +271,7 @@ class FamilyTable:
         rows = groups._rows
         if not self.keeps(rows.nbytes):
             return groups
-        key = (rows.shape, rows.tobytes())
-        found = self.get(key, lambda: groups)
-        found._memo["shared"] = True
-        return found
+        return self.get((rows.shape, rows.tobytes()), lambda: groups)
 
 
 #: The families of every reference layout, shared (``Layout.groups``, ``Kind.groups``).

@@ -42,7 +42,6 @@ class Layout:
     """
 
     __slots__ = (
-        "_affine",
         "_aliases",
         "_dims",
         "_grid",
@@ -83,8 +82,6 @@ class Layout:
         self._position: npt.NDArray[np.int64] | None = None
         self._identity: bool | None = None
         self._shape: tuple[int, ...] | None = None
-        #: What is learnt of the grid once for every view of it: [(first, strides) or False].
-        self._affine: list[tuple[int, tuple[int, ...]] | bool] = []
 
     @classmethod
     def _make(cls, *state: Any, **options: Any) -> Layout:
@@ -97,7 +94,6 @@ class Layout:
         """Another view of this grid: what was learnt of the grid comes along."""
         view = Layout._make(self._grid, self._names, dims, aliases, named=self._named)
         view._identity, view._position = self._identity, self._position
-        view._affine = self._affine  # one list for every view of the grid: learnt once
         return view
 
     @classmethod
@@ -359,22 +355,20 @@ class Layout:
         key = self._family_key(axes) if FAMILIES.keeps(self._grid.nbytes) else None
         if key is None:
             return FAMILIES.share(Groups.from_array(self.groups_array(*dims)))
-        found = FAMILIES.get(key, lambda: Groups.from_array(self.groups_array(*dims)))
-        found._memo["shared"] = True
-        return found
+        return FAMILIES.get(key, lambda: Groups.from_array(self.groups_array(*dims)))
 
     def _family_key(self, axes: tuple[int, ...]) -> tuple[Any, ...] | None:
-        """What decides the groups spanning root ``axes`` row for row, on a strided grid:
-        the first rank, then (size, stride) of the spanned axes and of the others, each in
-        root order (``_merged``). None on a grid that is not strided."""
-        if not self._affine:
-            self._affine.append(_strides_of(self._grid) or False)
-        if self._affine[0] is False:
+        """What decides the groups spanning root ``axes`` row for row on a strided grid: the
+        coalesced modes of the spanned axes and of the others, each in root order. None on a
+        grid that is not strided."""
+        modes = _ml.strided_root_modes(self._grid)
+        if modes is None:
             return None
-        first, strides = self._affine[0]  # type: ignore[misc]
-        shape = self._grid.shape
-        others = (a for a in range(len(shape)) if a not in axes)
-        return (first, _merged(shape, strides, axes), _merged(shape, strides, others))
+        others = (a for a in range(len(modes)) if a not in axes)
+        return (
+            _ml.coalesce(m for a in axes for m in modes[a]),
+            _ml.coalesce(m for a in others for m in modes[a]),
+        )
 
     # -- DeviceMesh transformations -------------------------------------------------------
     def _require_names(self, verb: str) -> None:
@@ -712,37 +706,6 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
     for c, s in zip(coords, sizes):
         index = index * int(s) + int(c)
     return index
-
-
-def _merged(
-    shape: Sequence[int], strides: Sequence[int], axes: Iterable[int]
-) -> tuple[tuple[int, int], ...]:
-    """(size, stride) of ``axes`` in order, size-1 axes left out and neighbours merged where
-    the outer one strides over the whole inner one (``(4, 2), (2, 1)`` is ``(8, 1)``): the
-    ranks they reach, row-major, are the same in the same order."""
-    merged: list[tuple[int, int]] = []
-    for axis in axes:
-        size, stride = int(shape[axis]), int(strides[axis])
-        if size == 1:
-            continue
-        if merged and merged[-1][1] == size * stride:
-            merged[-1] = (merged[-1][0] * size, stride)
-        else:
-            merged.append((size, stride))
-    return tuple(merged)
-
-
-def _strides_of(grid: npt.NDArray[np.int64]) -> tuple[int, tuple[int, ...]] | None:
-    """``(first, strides)`` with ``grid[c] == first + sum(c[a] * strides[a])``, or None."""
-    first = int(grid.flat[0])
-    strides = []
-    built = np.full((), first, dtype=np.int64)
-    for axis, size in enumerate(grid.shape):
-        step = (0,) * axis + (min(1, size - 1),) + (0,) * (grid.ndim - axis - 1)
-        stride = int(grid[step]) - first
-        strides.append(stride)
-        built = built[..., None] + np.arange(size, dtype=np.int64) * stride
-    return (first, tuple(strides)) if np.array_equal(built, grid) else None
 
 
 def _is_identity(grid: npt.NDArray[np.int64]) -> bool:

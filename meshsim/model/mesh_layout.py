@@ -330,23 +330,36 @@ def root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks]:
     explicit ``mesh=`` tensor) is indexed by position, its row-major ravel being the rank map,
     as ``DeviceMesh(mesh=...)`` stores it. ``grid`` is a Layout's root grid (``Layout.mesh``).
     """
-    cached = _ROOT_MODES.get(id(grid))
-    if cached is not None and cached[0]() is grid:
-        return cached[1], cached[2]
-    modes, rank_map = _derive_root_modes(grid)
-    rank_map.flags.writeable = False
-    if len(_ROOT_MODES) >= 64:
-        _ROOT_MODES.clear()
-    _ROOT_MODES[id(grid)] = (weakref.ref(grid), modes, rank_map)
+    modes, rank_map, _ = _root_facts(grid)
     return modes, rank_map
 
 
-#: id(grid) -> (weak ref to the grid, modes, rank map). Grids are read-only and shared by every
-#: view of a root, so the O(world) strided-ness check runs once per root, not once per query.
-_ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[tuple[Mode, ...], ...], Ranks]] = {}
+def strided_root_modes(grid: Ranks) -> tuple[tuple[Mode, ...], ...] | None:
+    """:func:`root_modes`' modes where ``grid`` is a strided view of ``0..N-1`` (they then
+    decide every group family of the grid, row for row); None for any other grid."""
+    modes, _, strided = _root_facts(grid)
+    return modes if strided else None
 
 
-def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks]:
+def _root_facts(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks, bool]:
+    cached = _ROOT_MODES.get(id(grid))
+    if cached is not None and cached[0]() is grid:
+        return cached[1], cached[2], cached[3]
+    modes, rank_map, strided = _derive_root_modes(grid)
+    rank_map.flags.writeable = False
+    if len(_ROOT_MODES) >= 64:
+        _ROOT_MODES.clear()
+    _ROOT_MODES[id(grid)] = (weakref.ref(grid), modes, rank_map, strided)
+    return modes, rank_map, strided
+
+
+#: id(grid) -> (weak ref to the grid, modes, rank map, strided). Grids are read-only and shared
+#: by every view of a root, so the O(world) strided-ness check runs once per root, not once per
+#: query.
+_ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[tuple[Mode, ...], ...], Ranks, bool]] = {}
+
+
+def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks, bool]:
     shape = tuple(int(s) for s in grid.shape)
     axes = []
     for i in range(grid.ndim):
@@ -358,8 +371,9 @@ def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks
         and int(grid.max()) == grid.size - 1
         and np.array_equal(grid.ravel(), _offsets([m for axis in modes for m in axis]))
     ):
-        return modes, np.arange(grid.size, dtype=np.int64)
-    return tuple(((s, d),) for s, d in zip(shape, suffix_strides(shape))), grid.ravel().copy()
+        return modes, np.arange(grid.size, dtype=np.int64), True
+    modes = tuple(((s, d),) for s, d in zip(shape, suffix_strides(shape)))
+    return modes, grid.ravel().copy(), False
 
 
 def _axis_modes(line: Ranks) -> tuple[Mode, ...]:
