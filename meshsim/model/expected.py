@@ -100,7 +100,7 @@ class Kind:
 
     def groups(self) -> Groups:
         if isinstance(self.source, LayoutError):
-            raise self.source
+            raise self.source.with_traceback(None)  # kinds may share it: keep no old frames
         if not self._cache:
             groups = self.source if isinstance(self.source, Groups) else self.source()
             self._cache.append(FAMILIES.share(groups))
@@ -149,8 +149,8 @@ class Expected:
     """
 
     __slots__ = (
-        "_kinds", "_primary", "_roles", "_unknown_roles", "config", "framework", "layout",
-        "meshes", "world_size",
+        "_available", "_kinds", "_primary", "_roles", "_unknown_roles", "config", "framework",
+        "layout", "meshes", "world_size",
     )  # fmt: skip
 
     def __init__(
@@ -173,6 +173,7 @@ class Expected:
         #: expert mesh is ``meshes["expert"]``), so their dim names and shape can be checked.
         self.meshes: Mapping[str, Layout] = MappingProxyType(dict(meshes or {}))
         self._kinds = {k.name: k for k in kinds}
+        self._available: dict[str, str] | None = None
         not_roles = set(roles) - set(ROLES)
         if not_roles:
             raise ValueError(f"unknown roles {sorted(not_roles)}; roles are {list(ROLES)}")
@@ -192,7 +193,9 @@ class Expected:
     # -- kinds ----------------------------------------------------------------------------
     def kinds(self) -> dict[str, str]:
         """Available kinds, each with a one-line description, in the framework's order."""
-        return {n: k.description for n, k in self._kinds.items() if k.available}
+        if self._available is None:  # every check asks; torchtitan has ~230 kinds
+            self._available = {n: k.description for n, k in self._kinds.items() if k.available}
+        return dict(self._available)
 
     def primary_kinds(self) -> list[str]:
         """The kinds a summary shows first, available or not, in the framework's order: every

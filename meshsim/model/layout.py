@@ -44,12 +44,14 @@ class Layout:
     __slots__ = (
         "_aliases",
         "_dims",
+        "_families",
         "_grid",
         "_identity",
         "_named",
         "_names",
         "_position",
         "_shape",
+        "_whole",
     )
 
     def __init__(self, axes: Iterable[AxisSpec] | Mapping[str, int] = (), /, **sizes: int) -> None:
@@ -82,6 +84,10 @@ class Layout:
         self._position: npt.NDArray[np.int64] | None = None
         self._identity: bool | None = None
         self._shape: tuple[int, ...] | None = None
+        #: The groups spanning each set of root axes, asked of any view of this grid: a
+        #: framework's getters hand out the same few views many times over.
+        self._families: dict[tuple[int, ...], Groups] = {}
+        self._whole: Groups | None = None  # groups() of this view's own dims
 
     @classmethod
     def _make(cls, *state: Any, **options: Any) -> Layout:
@@ -94,6 +100,7 @@ class Layout:
         """Another view of this grid: what was learnt of the grid comes along."""
         view = Layout._make(self._grid, self._names, dims, aliases, named=self._named)
         view._identity, view._position = self._identity, self._position
+        view._families = self._families
         return view
 
     @classmethod
@@ -110,10 +117,10 @@ class Layout:
             raise LayoutError(f"order must be a string such as 'tp-dp-pp', got {order!r}")
         items = tuple(sizes.items())
         try:
-            hash(items)
+            kept = hash(items) is not None and math.prod(sizes.values()) <= KEPT_ORDER_WORLD
         except TypeError:  # a size that is no int: refused below, with its name
-            return _from_order.__wrapped__(order, items)
-        return _from_order(order, items)
+            kept = False
+        return _from_order(order, items) if kept else _from_order.__wrapped__(order, items)
 
     @classmethod
     def from_topology(cls, axes: Sequence[str], dims: Sequence[int]) -> Layout:
@@ -231,7 +238,8 @@ class Layout:
         )
 
     def _dim_size(self, dim: str | int) -> int:
-        return math.prod(int(self._grid.shape[a]) for a in self._axes_of(dim))
+        axes, shape = self._axes_of(dim), self._grid.shape
+        return shape[axes[0]] if len(axes) == 1 else math.prod(shape[a] for a in axes)
 
     def _resolve(self, dims: Sequence[str | int]) -> tuple[int, ...]:
         """Root axes spanned by ``dims`` (all visible dims when empty), in root order."""
@@ -351,11 +359,19 @@ class Layout:
         layout that spans it: a sweep's tens of thousands of layouts share a few hundred
         families, whose answers (``Groups.derived``) are then worked out once.
         """
+        if not dims and self._whole is not None:
+            return self._whole
         axes = self._resolve(dims)
-        key = self._family_key(axes) if FAMILIES.keeps(self._grid.nbytes) else None
-        if key is None:
-            return FAMILIES.share(Groups.from_array(self.groups_array(*dims)))
-        return FAMILIES.get(key, lambda: Groups.from_array(self.groups_array(*dims)))
+        found = self._families.get(axes)
+        if found is None:
+            key = self._family_key(axes) if FAMILIES.keeps(self._grid.nbytes) else None
+            if key is None:  # not strided, or too big to keep
+                return FAMILIES.share(Groups.from_array(self.groups_array(*dims)))
+            found = FAMILIES.get(key, lambda: Groups.from_array(self.groups_array(*dims)))
+            self._families[axes] = found
+        if not dims:
+            self._whole = found
+        return found
 
     def _family_key(self, axes: tuple[int, ...]) -> tuple[Any, ...] | None:
         """What decides the groups spanning root ``axes`` row for row on a strided grid: the
@@ -387,6 +403,34 @@ class Layout:
         names = (dims,) if isinstance(dims, str) else _sequence(dims, "a slice of a Layout")
         if names == self._dims:
             return self
+        # What torch says of a slice depends on names and on which axes have size 1 (every
+        # size, under 2.10-2.12's stride rule), not on the ranks: a sweep's thousands of
+        # layouts ask the same few hundred questions.
+        rule = torch_release.slice_order_rule()
+        shape = self._grid.shape
+        key = (
+            self._names, self._dims, tuple(self._aliases.items()), names, rule,
+            shape if rule == "strides" else tuple(size == 1 for size in shape),
+        )  # fmt: skip
+        if key not in _SLICE_VERDICTS:
+            if len(_SLICE_VERDICTS) >= _KEPT_VERDICTS:
+                _SLICE_VERDICTS.clear()
+            _SLICE_VERDICTS[key] = self._slice_refusal(names)
+        refusal = _SLICE_VERDICTS[key]
+        if refusal is not None:
+            raise LayoutError(refusal[0], upstream=refusal[1])
+        return self._view(names, self._aliases)
+
+    def _slice_refusal(self, names: tuple[str, ...]) -> tuple[str, str | None] | None:
+        """Why torch refuses to slice ``names`` (message, exception type); None if it
+        does not."""
+        try:
+            self._check_slice(names)
+        except LayoutError as error:
+            return str(error), error.upstream
+        return None
+
+    def _check_slice(self, names: tuple[str, ...]) -> None:
         allowed = set(self._dims) | (set(self._aliases) if self.is_root else set())
         unknown = [n for n in names if n not in allowed]
         if unknown or not names:
@@ -408,7 +452,6 @@ class Layout:
                 f"ascending order; use {wanted}.",
                 upstream="KeyError",
             )
-        return self._view(names, self._aliases)
 
     def _slice_in_order(self, spans: Sequence[tuple[int, ...]]) -> bool:
         """Whether torch (the release described) takes the sliced dims in this order (one
@@ -595,6 +638,13 @@ class Layout:
         )
 
 
+def known_slice(layout: Layout, dims: tuple[str, ...]) -> Layout:
+    """``layout[dims]`` without torch's checks, for ``dims`` already sliced from a layout of
+    the same names, aliases and size-1 axes (``_torchtitan_plan`` replays a pattern's
+    slices on each layout of it)."""
+    return layout if dims == layout._dims else layout._view(dims, layout._aliases)
+
+
 def _rebuild(
     grid: list[Any],
     names: tuple[str, ...],
@@ -613,6 +663,14 @@ def check_world_size(size: int, what: str = "") -> None:
             f"world size {size}{where} is over the reference's limit of {MAX_WORLD_SIZE} ranks "
             "(2**22): meshsim holds every rank of the world in memory"
         )
+
+
+#: Slice verdicts kept by :meth:`Layout.__getitem__` (a few MiB), forgotten all at once.
+_KEPT_VERDICTS = 65536
+_SLICE_VERDICTS: dict[tuple[Any, ...], tuple[str, str | None] | None] = {}
+
+#: The largest world whose ``from_order`` grids are kept (4,096 of them: 128 MiB at most).
+KEPT_ORDER_WORLD = 4096
 
 
 @functools.lru_cache(maxsize=4096)

@@ -124,9 +124,15 @@ def slice_order_rule() -> str:
     and a flattened dim must be one contiguous mode (else NotImplementedError). ``"indices"``
     (before 2.10): root dim indices must ascend.
     """
-    if _before((2, 10)):
+    return _slice_order_rule(os.environ.get("MESHSIM_TORCH_RELEASE", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _slice_order_rule(setting: str) -> str:
+    described = _target(setting)  # read once per setting: every slice of a sweep asks
+    if described is not None and described < (2, 10):
         return "indices"
-    if _before((2, 13)):
+    if described is not None and described < (2, 13):
         return "strides"
     return "collapsed"
 

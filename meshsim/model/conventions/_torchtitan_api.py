@@ -38,6 +38,8 @@ class _Views(Protocol):
     so that this module needs nothing of the reference (which imports it)."""
 
     @property
+    def version(self) -> str: ...
+    @property
     def backend(self) -> str: ...
     @property
     def world(self) -> Layout: ...
@@ -209,13 +211,23 @@ def call_name(method: str, dims: str | Sequence[str], singletons: bool = False) 
     return f"{method}({shown}{', ' + SINGLETONS if singletons else ''})"
 
 
-def api_kinds(views: _Views) -> dict[str, Kind]:
+Answer = Layout | None | LayoutError
+
+
+def api_kinds(views: _Views, answers: dict[str, Answer] | None = None) -> dict[str, Kind]:
     """Kinds for every getter call above (the single-axis ``get_mesh`` kinds come from
-    :meth:`_Views.kinds`; those of axes the backend lacks are added here)."""
+    :meth:`_Views.kinds`; those of axes the backend lacks are added here). ``answers``, when
+    given, gets each call's answer by kind name: its mesh, None, or its error."""
     kinds: dict[str, Kind] = {}
 
-    def add(name: str, description: str, answer: Callable[[], Layout | None]) -> None:
-        kinds[name] = _kind(views, name, description, answer)
+    def add(name: str, description: str, call: Callable[[], Layout | None]) -> None:
+        try:
+            answer: Answer = call()
+        except LayoutError as error:
+            answer = error
+        if answers is not None:
+            answers[name] = answer
+        kinds[name] = answer_kind(views, name, description, answer)
 
     add("world_mesh", "world_mesh: the 1-D world mesh every view unflattens", lambda: views.world)
     for axis in AXES:
@@ -291,12 +303,11 @@ def _index(meshes: list[Layout], index: int) -> Layout:
     return meshes[index]
 
 
-def _kind(views: _Views, name: str, description: str, answer: Callable[[], Layout | None]) -> Kind:
+def answer_kind(views: _Views, name: str, description: str, answer: Answer) -> Kind:
     """The kind of one call's answer: its groups, no groups (None) or its error."""
-    try:
-        mesh = answer()
-    except LayoutError as error:
-        return Kind(name, description, error)
+    if isinstance(answer, LayoutError):
+        return Kind(name, description, answer)
+    mesh = answer
     if mesh is None:
         return Kind(name, description, _NO_GROUPS, partition=False)
     return Kind(

@@ -30,6 +30,7 @@ from typing import Any, Final
 from meshsim.errors import LayoutError
 from meshsim.model import torch_release as _torch_release
 from meshsim.model.conventions import _torchtitan_api as api
+from meshsim.model.conventions import _torchtitan_plan as api_plan
 from meshsim.model.conventions import check, reject_unknown
 from meshsim.model.conventions._torchtitan_legacy import (
     AXIS_ROLES,
@@ -127,7 +128,7 @@ def expect(world_size: int, **config: Any) -> Expected:
             # The world mesh, the axes and the view getters: the ~230 other getter calls and
             # view dims stay behind ``show --all-kinds``.
             primary = ["world_mesh", *views.single, *api.VIEW_GETTERS]
-            kinds.update(api.api_kinds(views))
+            kinds.update(api_plan.api_kinds(views))
         roles = pick_roles(kinds, _ROLES)
         layout = views.global_meshes["dense"].root()
         normal["spmd_backend"] = backend
