@@ -549,7 +549,8 @@ class Layout:
                 upstream="ValueError",
             )
         # torch splits by layout composition, which asserts on a split across non-adjacent axes.
-        self.mesh_layout(dim).unflatten(0, sizes)
+        modes = _ml.root_modes(self._grid)[0]
+        _unflatten_check(tuple(m for a in self._axes_of(dim) for m in modes[a]), tuple(sizes))
         kept = [d for d in self._dims if d != dim]
         _check_unique(kept + list(names))
         clash = [
@@ -663,6 +664,14 @@ def check_world_size(size: int, what: str = "") -> None:
             f"world size {size}{where} is over the reference's limit of {MAX_WORLD_SIZE} ranks "
             "(2**22): meshsim holds every rank of the world in memory"
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _unflatten_check(modes: tuple[_ml.Mode, ...], sizes: tuple[int, ...]) -> None:
+    """Raise what torch's ``_unflatten`` of a dim of these modes into ``sizes`` raises (its
+    layout composition), once per question: a sweep unflattens the same worlds again and
+    again."""
+    _ml.MeshLayout([_ml.FlatLayout(*zip(*modes))]).unflatten(0, sizes)
 
 
 #: Slice verdicts kept by :meth:`Layout.__getitem__` (a few MiB), forgotten all at once.

@@ -361,6 +361,14 @@ _ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[tuple[Mode, ...], ...], Ran
 
 def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks, bool]:
     shape = tuple(int(s) for s in grid.shape)
+    flat = grid.ravel()
+    if flat.size and flat[0] == 0 and np.array_equal(flat, np.arange(flat.size)):
+        # 0..N-1 in row-major order (every unflattened world): one mode per axis, its
+        # row-major stride; the general walk below finds the same, axis by axis.
+        single = tuple(
+            ((s, d),) if s > 1 else ((1, 0),) for s, d in zip(shape, suffix_strides(shape))
+        )
+        return single, np.arange(grid.size, dtype=np.int64), True
     axes = []
     for i in range(grid.ndim):
         line = grid[tuple(slice(None) if j == i else 0 for j in range(grid.ndim))]
