@@ -30,6 +30,9 @@ ORPHAN_POLL_S = 0.5
 
 #: The tier that builds no live rank: the reference's groups, findings and placement only.
 REFERENCE = "reference"
+#: Reference answers a worker holds before sending them, at most, and for at most how long.
+HOLD = 32
+HOLD_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -184,13 +187,28 @@ def main(fd: int) -> None:
         if message[0] == "exit":
             break
         _, chunk_id, chunk = message
+        held: list[tuple[int, Examined]] = []
+        since = time.monotonic()
         try:
             for index, answer in examine(chunk):
-                if not _send(conn, "case", chunk_id, index, answer):
+                held.append((index, answer))
+                # A reference answer takes about a millisecond: send them by the few (the
+                # sweep then reads a message per batch, not per layout), yet within
+                # HOLD_S of the first, so progress lines stay live.
+                if (
+                    chunk.tier == REFERENCE
+                    and len(held) < HOLD
+                    and time.monotonic() - since < HOLD_S
+                ):
+                    continue
+                if not _send(conn, "cases", chunk_id, held):
                     return  # the sweep is gone: nobody to answer
+                held, since = [], time.monotonic()
         except Exception:
             _send(conn, "error", chunk_id, traceback.format_exc())
             break
+        if held and not _send(conn, "cases", chunk_id, held):
+            return
         if not _send(conn, "done", chunk_id):
             return
     conn.close()

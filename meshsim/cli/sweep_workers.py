@@ -136,8 +136,8 @@ class Workers:
                 tick()
             for worker in self._ready(busy, POLL_S):
                 message = worker.recv()
-                if message[0] == "case":
-                    yield message[1], message[2], message[3]
+                if message[0] == "cases":
+                    yield from ((message[1], index, answer) for index, answer in message[2])
                 elif message[0] == "done":
                     del busy[worker.conn]
                     idle.append(worker)
@@ -154,8 +154,8 @@ class Workers:
                     message = worker.recv()
                 except SweepWorkerError:
                     message = ("gone",)
-                if message[0] == "case":
-                    yield message[1], message[2], message[3]
+                if message[0] == "cases":
+                    yield from ((message[1], index, answer) for index, answer in message[2])
                 else:  # its chunk is over (done, failed or gone): nothing more to read
                     del busy[worker.conn]
 
