@@ -412,11 +412,12 @@ class Layout:
             self._names, self._dims, tuple(self._aliases.items()), names, rule,
             shape if rule == "strides" else tuple(size == 1 for size in shape),
         )  # fmt: skip
-        if key not in _SLICE_VERDICTS:
+        refusal = _SLICE_VERDICTS.get(key, _UNASKED)
+        if refusal is _UNASKED:
+            refusal = self._slice_refusal(names)
             if len(_SLICE_VERDICTS) >= _KEPT_VERDICTS:
                 _SLICE_VERDICTS.clear()
-            _SLICE_VERDICTS[key] = self._slice_refusal(names)
-        refusal = _SLICE_VERDICTS[key]
+            _SLICE_VERDICTS[key] = refusal
         if refusal is not None:
             raise LayoutError(refusal[0], upstream=refusal[1])
         return self._view(names, self._aliases)
@@ -676,7 +677,8 @@ def _unflatten_check(modes: tuple[_ml.Mode, ...], sizes: tuple[int, ...]) -> Non
 
 #: Slice verdicts kept by :meth:`Layout.__getitem__` (a few MiB), forgotten all at once.
 _KEPT_VERDICTS = 65536
-_SLICE_VERDICTS: dict[tuple[Any, ...], tuple[str, str | None] | None] = {}
+_SLICE_VERDICTS: dict[tuple[Any, ...], Any] = {}
+_UNASKED = object()
 
 #: The largest world whose ``from_order`` grids are kept (4,096 of them: 128 MiB at most).
 KEPT_ORDER_WORLD = 4096

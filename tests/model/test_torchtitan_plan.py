@@ -7,12 +7,15 @@ error messages and group rows included, under each torch release's slicing rule.
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from meshsim.errors import LayoutError
+from meshsim.model import layout as layout_module
 from meshsim.model.conventions import _torchtitan_api as api
 from meshsim.model.conventions import _torchtitan_plan as plan
 from meshsim.model.conventions import torchtitan as tt
@@ -115,3 +118,36 @@ def test_a_refused_kind_raises_a_fresh_traceback_each_time() -> None:
         depths.append(depth)
     assert depths[0] == depths[1] == depths[2]
     assert np.array_equal(kinds["world_mesh"].groups().array, np.arange(8)[None, :])
+
+
+def test_threads_sharing_the_kept_answers_get_the_same_kinds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Threaded ranks build their references side by side: plans and slice verdicts are
+    shared and forgotten (here after 2 and 8 of them) while other threads read them."""
+    monkeypatch.setattr(plan, "KEPT_PLANS", 2)
+    monkeypatch.setattr(layout_module, "_KEPT_VERDICTS", 8)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    configs = list(_configs(8))[::4]
+    wanted = [{n: _facts(k) for n, k in api.api_kinds(_views(8, c)).items()} for c in configs]
+    wrong: list[str] = []
+
+    def build() -> None:
+        try:
+            for config, kinds in zip(configs, wanted):
+                got = {n: _facts(k) for n, k in plan.api_kinds(_views(8, config)).items()}
+                if got != kinds:
+                    wrong.append(str(config))
+        except Exception as error:  # a cache read racing an eviction
+            wrong.append(repr(error))
+
+    try:
+        threads = [threading.Thread(target=build) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == []

@@ -38,16 +38,17 @@ class _Plan:
 
 
 _PLANS: dict[Hashable, _Plan | None] = {}
+_UNKNOWN = object()
 _LOCK = threading.Lock()
 
 
 def api_kinds(views: api._Views) -> dict[str, Kind]:
     """``_torchtitan_api.api_kinds(views)``, from the plan of the views' pattern."""
     key = _pattern(views)
-    if key in _PLANS:
-        plan = _PLANS[key]
-        if plan is not None:
-            return _follow(plan, views)
+    plan = _PLANS.get(key, _UNKNOWN)
+    if isinstance(plan, _Plan):
+        return _follow(plan, views)
+    if plan is None:  # an answer no plan can replay: always call by call
         return api.api_kinds(views)
     answers: dict[str, api.Answer] = {}
     kinds = api.api_kinds(views, answers)
