@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, final
@@ -43,6 +44,9 @@ def rank_group(ranks: Iterable[int]) -> RankGroup:
     return RankGroup(int(r) for r in ranks)
 
 
+_SERIALS = itertools.count()
+
+
 @final
 class Groups:
     """A family of equally sized rank groups, one row per group, members in local-rank order.
@@ -55,7 +59,7 @@ class Groups:
     ``groups.group_of(5) == (4, 5, 6, 7)`` and ``groups.local_rank(5) == 1``.
     """
 
-    __slots__ = ("_first_index", "_memo", "_rows")
+    __slots__ = ("_first_index", "_memo", "_rows", "serial")
 
     def __init__(self, rows: Iterable[Iterable[int]] | npt.ArrayLike) -> None:
         array = np.asarray(rows if not isinstance(rows, Iterator) else list(rows), dtype=np.int64)
@@ -69,6 +73,9 @@ class Groups:
         self._rows = array
         self._first_index: npt.NDArray[np.int64] | None = None
         self._memo: dict[Any, Any] = {}
+        #: A number no other Groups object of this process has: it keys a :meth:`derived`
+        #: answer that depends on a second family (``invariants``: containment, local ranks).
+        self.serial: int = next(_SERIALS)
 
     @classmethod
     def from_array(cls, array: npt.NDArray[np.int64]) -> Groups:

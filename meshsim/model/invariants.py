@@ -100,7 +100,13 @@ def uncontained_groups(inner: Groups, outer: Groups, world_size: int) -> Groups:
     """Groups of ``inner`` that do not sit entirely inside one group of ``outer``.
 
     Example: data-parallel ``(0, 2)`` inside gradient-reduce ``(0, 1, 2, 3)`` is contained.
+    Kept with ``inner``: a sweep's layouts pair the same shared families again and again.
     """
+    key = ("uncontained", outer.serial, world_size)
+    return inner.derived(key, _uncontained_groups, inner, outer, world_size)  # type: ignore[no-any-return]
+
+
+def _uncontained_groups(inner: Groups, outer: Groups, world_size: int) -> Groups:
     owner = _owner(outer, world_size)
     where = owner[inner.array]
     bad = (where != where[:, :1]).any(axis=1) | (where[:, 0] < 0)
@@ -117,7 +123,13 @@ def peers_with_different_local_rank(peers: Groups, reference: Groups, world_size
 
     TP, CP and PP peers must share their data-parallel local rank: it decides which batch a
     rank loads, and tensor-parallel peers fed different batches train garbage silently.
+    Kept with ``peers``, as :func:`uncontained_groups`.
     """
+    key = ("local rank differs", reference.serial, world_size)
+    return peers.derived(key, _peers_with_different_local_rank, peers, reference, world_size)  # type: ignore[no-any-return]
+
+
+def _peers_with_different_local_rank(peers: Groups, reference: Groups, world_size: int) -> Groups:
     local = reference.local_ranks(world_size)
     values = local[peers.array]
     bad = (values != values[:, :1]).any(axis=1)

@@ -115,3 +115,21 @@ def test_the_table_keeps_to_its_budget() -> None:
     firsts = [small.get(n, lambda n=n: Groups([(n, n + 1)])) for n in range(5)]
     assert small.get(1, lambda: Groups([(1, 2)])) is firsts[1]
     assert small.get(0, lambda: Groups([(0, 1)])) is not firsts[0]  # past the budget: gone
+
+
+def test_answers_about_two_families_are_kept_per_pair() -> None:
+    """Containment and local-rank agreement depend on both families: kept with the first,
+    keyed by the second's serial, never confused between two seconds."""
+    from meshsim.model.invariants import peers_with_different_local_rank, uncontained_groups
+
+    layout = Layout(dp=2, tp=4)
+    data, tensor, both = layout.groups("dp"), layout.groups("tp"), layout.groups("dp", "tp")
+    assert len(uncontained_groups(data, both, 8)) == 0
+    assert len(uncontained_groups(data, tensor, 8)) == 4  # each (r, r + 4) spans two tp groups
+    assert uncontained_groups(data, tensor, 8) is uncontained_groups(data, tensor, 8)
+    assert len(uncontained_groups(data, both, 8)) == 0  # the other pair's answer is its own
+    reversed_rows = Groups([tuple(4 * g + 3 - i for i in range(4)) for g in range(2)])
+    assert len(peers_with_different_local_rank(data, tensor, 8)) == 0
+    assert len(peers_with_different_local_rank(data, reversed_rows, 8)) == 0
+    assert len(peers_with_different_local_rank(tensor, both, 8)) == 2
+    assert data.serial != tensor.serial != both.serial
