@@ -621,8 +621,9 @@ def console() -> NoReturn:
     Why: with torch and a framework loaded and a sweep's results held, freeing every module
     and object at exit took 1.4 to 2 s after the reports were written (a megatron world-8
     sweep of 30 own steps), longer than the 2 s a Ctrl-C is promised for the whole stop.
-    What must run at exit still does: other non-daemon threads are joined and the atexit
-    handlers run (temp dirs, worker pools, multiprocess's clean-up), as at a normal exit.
+    What must run at exit still does: other non-daemon threads are joined (after a Ctrl-C or
+    SIGTERM for :data:`STOPPED_JOIN_S` at most) and the atexit handlers run (temp dirs,
+    worker pools, multiprocess's clean-up), as at a normal exit.
     """
     try:
         code = main()
@@ -631,16 +632,25 @@ def console() -> NoReturn:
     _exit_now(code)
 
 
+#: How long a stopped command's exit waits for other non-daemon threads, all together.
+STOPPED_JOIN_S = 1.0
+
+
 def _exit_now(code: int | str | None) -> NoReturn:
     import atexit
     import threading
+    import time
 
     if isinstance(code, str):  # SystemExit("message"): Python prints it and exits 1
         sys.stderr.write(f"{code}\n")
         code = 1
+    # A stopped run (Ctrl-C: 130, SIGTERM: 143) may leave a thread some framework started deep
+    # in a step it was cut out of; its exit waits for such threads a bounded time, not forever.
+    patience = STOPPED_JOIN_S if code in (130, 143) else None
+    deadline = None if patience is None else time.monotonic() + patience
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed pipe: nothing left to tell

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.cli.helpers import run_cli
 
@@ -52,3 +55,28 @@ def test_stdout_is_whole_and_exit_codes_are_kept(tmp_path: Path) -> None:
     unknown = _meshsim("shwo", tmp=tmp_path)
     assert unknown.returncode == 2 and "meshsim: error" in unknown.stderr
     assert _meshsim("--version", tmp=tmp_path).returncode == 0
+
+
+_LINGERING = """
+import atexit, sys, threading
+from meshsim.cli.main import _exit_now
+stay = threading.Event()
+threading.Thread(target=stay.wait, name="a framework's helper").start()  # never set: it stays
+atexit.register(lambda: print("atexit ran", flush=True))
+_exit_now(int(sys.argv[1]))
+"""
+
+
+def test_a_stopped_command_does_not_wait_for_a_thread_that_stays() -> None:
+    """After Ctrl-C (130) or SIGTERM (143) a framework's thread cut short in its step may
+    never end: the exit waits for it a bounded time, runs the atexit handlers and keeps the
+    code. A normal exit still waits for it (shown by the timeout: the thread never ends)."""
+    for code in (130, 143):
+        done = subprocess.run(
+            [sys.executable, "-c", _LINGERING, str(code)], capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == code, done.stderr
+        assert done.stdout == "atexit ran\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", _LINGERING, "0"], capture_output=True, timeout=10)
