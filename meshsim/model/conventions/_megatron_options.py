@@ -136,6 +136,10 @@ def _signature(world_size: int, config: Mapping[str, Any], order: str) -> tuple[
 
 
 def _accepted(world_size: int, config: Mapping[str, Any]) -> bool:
+    s = _sizes(world_size, config)
+    edp = world_size // (s["etp"] * s["ep"] * s["pp"])
+    if not (config["order"].endswith("pp") or s["pp"] == 1 or edp == s["dp"]):
+        return False  # validate's AssertionError, known without building the generators
     try:
         validate(world_size, config, config["order"])
     except LayoutError:
