@@ -62,7 +62,7 @@ class Layout:
         shape = [_check_size(name, size) for name, size in pairs]
         _check_unique(names)
         check_world_size(math.prod(shape), f"a Layout of shape {tuple(shape)}")
-        grid = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+        grid = _ml.iota(math.prod(shape)).reshape(shape)
         self._init(grid, tuple(names), tuple(names), {}, named=True)
 
     # -- construction ---------------------------------------------------------------------
@@ -780,5 +780,5 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
 def _is_identity(grid: npt.NDArray[np.int64]) -> bool:
     flat = grid.ravel()
     return bool(
-        flat[0] == 0 and flat[-1] == flat.size - 1 and np.array_equal(flat, np.arange(flat.size))
+        flat[0] == 0 and flat[-1] == flat.size - 1 and np.array_equal(flat, _ml.iota(flat.size))
     )

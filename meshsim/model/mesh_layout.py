@@ -19,6 +19,7 @@ ranks are one broadcast sum.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -72,6 +73,16 @@ def suffix_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     for i in range(len(sizes) - 2, -1, -1):
         strides[i] = strides[i + 1] * int(sizes[i + 1])
     return tuple(strides)
+
+
+@functools.lru_cache(maxsize=4)
+def iota(size: int) -> Ranks:
+    """``0..size-1``, one read-only int64 array per size, shared: an unflattened world's grid
+    is a view of it, and comparing a grid with it allocates nothing (at 131,072 ranks, making
+    it anew cost a megatron enumeration half its time)."""
+    ranks = np.arange(size, dtype=np.int64)
+    ranks.flags.writeable = False
+    return ranks
 
 
 def _offsets(modes: Sequence[Mode]) -> Ranks:
@@ -362,13 +373,13 @@ _ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[tuple[Mode, ...], ...], Ran
 def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks, bool]:
     shape = tuple(int(s) for s in grid.shape)
     flat = grid.ravel()
-    if flat.size and flat[0] == 0 and np.array_equal(flat, np.arange(flat.size)):
+    if flat.size and flat[0] == 0 and np.array_equal(flat, iota(flat.size)):
         # 0..N-1 in row-major order (every unflattened world): one mode per axis, its
         # row-major stride; the general walk below finds the same, axis by axis.
         single = tuple(
             ((s, d),) if s > 1 else ((1, 0),) for s, d in zip(shape, suffix_strides(shape))
         )
-        return single, np.arange(grid.size, dtype=np.int64), True
+        return single, iota(grid.size), True
     axes = []
     for i in range(grid.ndim):
         line = grid[tuple(slice(None) if j == i else 0 for j in range(grid.ndim))]
@@ -379,7 +390,7 @@ def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks
         and int(grid.max()) == grid.size - 1
         and np.array_equal(grid.ravel(), _offsets([m for axis in modes for m in axis]))
     ):
-        return modes, np.arange(grid.size, dtype=np.int64), True
+        return modes, iota(grid.size), True
     modes = tuple(((s, d),) for s, d in zip(shape, suffix_strides(shape)))
     return modes, grid.ravel().copy(), False
 
