@@ -133,3 +133,15 @@ def test_answers_about_two_families_are_kept_per_pair() -> None:
     assert len(peers_with_different_local_rank(data, reversed_rows, 8)) == 0
     assert len(peers_with_different_local_rank(tensor, both, 8)) == 2
     assert data.serial != tensor.serial != both.serial
+
+
+def test_new_grids_share_one_read_only_world() -> None:
+    """Every ``Layout(...)`` of N ranks is a view of one read-only ``0..N-1``: a sweep builds
+    tens of thousands of them, which at 131,072 ranks were 1 MiB each."""
+    first, second = Layout(dp=4, tp=2), Layout(pp=2, dp=2, tp=2)
+    assert np.shares_memory(first.mesh, second.mesh)
+    assert not first.mesh.flags.writeable and not second.mesh.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        first.mesh[0, 0] = 7
+    assert second.mesh.ravel().tolist() == list(range(8))
+    assert np.array_equal(first.rank_map(), np.arange(8))
