@@ -281,15 +281,9 @@ def find_violations(expected: Expected) -> list[Violation]:
     """Run every invariant that applies to ``expected``; empty when all hold."""
     world = expected.world_size
     found: list[Violation] = []
-    partitions: dict[int, bool] = {}  # by family object: kinds often share one
     for name in expected.kinds():
         kind = expected.kind(name)
-        if not kind.partition:
-            continue
-        groups = kind.groups()
-        if id(groups) not in partitions:
-            partitions[id(groups)] = is_partition(groups, world)
-        if not partitions[id(groups)]:
+        if kind.partition and not is_partition(kind.groups(), world):
             found.append(
                 Violation("partition", name, "groups do not cover every rank exactly once")
             )

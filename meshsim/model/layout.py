@@ -117,7 +117,8 @@ class Layout:
             raise LayoutError(f"order must be a string such as 'tp-dp-pp', got {order!r}")
         items = tuple(sizes.items())
         try:
-            kept = hash(items) is not None and math.prod(sizes.values()) <= KEPT_ORDER_WORLD
+            hash(items)
+            kept = math.prod(sizes.values()) <= KEPT_ORDER_WORLD
         except TypeError:  # a size that is no int: refused below, with its name
             kept = False
         return _from_order(order, items) if kept else _from_order.__wrapped__(order, items)
@@ -261,7 +262,7 @@ class Layout:
     def _root_coordinate(self, rank: int) -> tuple[int, ...]:
         rank = _check_index(rank, "rank")
         if self._identity is None:
-            self._identity = _is_identity(self._grid)
+            self._identity = _ml.is_identity(self._grid)
             if not self._identity:
                 position = np.full(int(self._grid.max()) + 1, -1, dtype=np.int64)
                 position[self._grid.ravel()] = np.arange(self._grid.size, dtype=np.int64)
@@ -550,8 +551,7 @@ class Layout:
                 upstream="ValueError",
             )
         # torch splits by layout composition, which asserts on a split across non-adjacent axes.
-        modes = _ml.root_modes(self._grid)[0]
-        _unflatten_check(tuple(m for a in self._axes_of(dim) for m in modes[a]), tuple(sizes))
+        _unflatten_check(self.mesh_layout(dim), tuple(sizes))
         kept = [d for d in self._dims if d != dim]
         _check_unique(kept + list(names))
         clash = [
@@ -624,7 +624,7 @@ class Layout:
         return hash((self._names, self._dims, self._grid.shape))
 
     def __repr__(self) -> str:
-        if _is_identity(self._grid):
+        if _ml.is_identity(self._grid):
             body = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._grid.shape))
         else:
             body = f"mesh={self._grid.tolist()}, names={self._names}"
@@ -668,11 +668,10 @@ def check_world_size(size: int, what: str = "") -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _unflatten_check(modes: tuple[_ml.Mode, ...], sizes: tuple[int, ...]) -> None:
-    """Raise what torch's ``_unflatten`` of a dim of these modes into ``sizes`` raises (its
-    layout composition), once per question: a sweep unflattens the same worlds again and
-    again."""
-    _ml.MeshLayout([_ml.FlatLayout(*zip(*modes))]).unflatten(0, sizes)
+def _unflatten_check(dim: _ml.MeshLayout, sizes: tuple[int, ...]) -> None:
+    """Raise what torch's ``_unflatten`` of ``dim`` into ``sizes`` raises (its layout
+    composition), once per question: a sweep unflattens the same worlds again and again."""
+    dim.unflatten(0, sizes)
 
 
 #: Slice verdicts kept by :meth:`Layout.__getitem__` (a few MiB), forgotten all at once.
@@ -775,10 +774,3 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
     for c, s in zip(coords, sizes):
         index = index * int(s) + int(c)
     return index
-
-
-def _is_identity(grid: npt.NDArray[np.int64]) -> bool:
-    flat = grid.ravel()
-    return bool(
-        flat[0] == 0 and flat[-1] == flat.size - 1 and np.array_equal(flat, _ml.iota(flat.size))
-    )

@@ -85,6 +85,15 @@ def iota(size: int) -> Ranks:
     return ranks
 
 
+def is_identity(grid: Ranks) -> bool:
+    """``grid`` holds ``0..N-1`` in row-major order (every unflattened world)."""
+    flat = grid.ravel()
+    return bool(
+        flat.size and flat[0] == 0 and flat[-1] == flat.size - 1
+        and np.array_equal(flat, iota(flat.size))
+    )  # fmt: skip
+
+
 def _offsets(modes: Sequence[Mode]) -> Ranks:
     """Every index the modes reach, lexicographically (first mode slowest), as int64."""
     out = np.zeros(1, dtype=np.int64)
@@ -372,8 +381,7 @@ _ROOT_MODES: dict[int, tuple[weakref.ref[Any], tuple[tuple[Mode, ...], ...], Ran
 
 def _derive_root_modes(grid: Ranks) -> tuple[tuple[tuple[Mode, ...], ...], Ranks, bool]:
     shape = tuple(int(s) for s in grid.shape)
-    flat = grid.ravel()
-    if flat.size and flat[0] == 0 and np.array_equal(flat, iota(flat.size)):
+    if is_identity(grid):
         # 0..N-1 in row-major order (every unflattened world): one mode per axis, its
         # row-major stride; the general walk below finds the same, axis by axis.
         single = tuple(

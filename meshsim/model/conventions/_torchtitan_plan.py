@@ -117,14 +117,8 @@ def _span(sources: dict[str, Layout], answer: Layout) -> tuple[str, tuple[str, .
 def _follow(plan: _Plan, views: api._Views) -> dict[str, Kind]:
     sources = _sources(views)
     made = [known_slice(sources[name], dims) for name, dims in plan.views]
-    facts = [(mesh.groups, mesh.dim_names, mesh.shape, views.backends(mesh)) for mesh in made]
-    kinds: dict[str, Kind] = {}
-    for name, description, answer in plan.calls:
-        if isinstance(answer, Kind):
-            kinds[name] = answer
-            continue
-        groups, dims, shape, backends = facts[answer]
-        kinds[name] = Kind(
-            name, description, groups, mesh_dims=dims, mesh_shape=shape, backends=backends
-        )
-    return kinds
+    return {
+        name: answer if isinstance(answer, Kind)
+        else api.answer_kind(views, name, description, made[answer])
+        for name, description, answer in plan.calls
+    }  # fmt: skip
