@@ -136,8 +136,9 @@ def _examine_reference(chunk: Chunk) -> Iterator[tuple[int, Examined]]:
             yield index, Examined(result, [], placed)
             continue
         findings, placed = _reference_facts(case, chunk.question, expected)
-        fingerprint = group_fingerprint(expected)
-        groups = sum(len(kind.groups()) for kind in process_group_kinds(expected))
+        built = process_group_kinds(expected)
+        fingerprint = group_fingerprint(expected, built)
+        groups = sum(len(kind.groups()) for kind in built)
         derived = expected.derived_kinds()
         kinds = tuple(k for k in expected.kinds() if k not in derived)
         seconds = time.perf_counter() - start

@@ -99,12 +99,30 @@ class Kind:
         return tuple(world_backend if b is None else b for b in named)
 
     def groups(self) -> Groups:
+        cache = self._cache  # first: every check asks every kind, often
+        if cache:
+            return cache[0]
         if isinstance(self.source, LayoutError):
             raise self.source.with_traceback(None)  # kinds may share it: keep no old frames
-        if not self._cache:
-            groups = self.source if isinstance(self.source, Groups) else self.source()
-            self._cache.append(FAMILIES.share(groups))
-        return self._cache[0]
+        groups = self.source if isinstance(self.source, Groups) else self.source()
+        cache.append(FAMILIES.share(groups))
+        return cache[0]
+
+    def renamed(self, name: str, description: str) -> Kind:
+        """This kind under another name: the same groups, worked out once for both
+        (torchtitan's getters hand out a few views under ~230 names)."""
+        return Kind(
+            name,
+            description,
+            self.source,
+            partition=self.partition,
+            keyed_by_first=self.keyed_by_first,
+            mesh_dims=self.mesh_dims,
+            mesh_shape=self.mesh_shape,
+            backends=self.backends,
+            derived=self.derived,
+            _cache=self._cache,
+        )
 
 
 def layout_kind(

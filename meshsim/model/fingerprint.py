@@ -13,23 +13,25 @@ them, on the fake tier.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from meshsim.model.expected import Expected, Kind
 from meshsim.model.groups import Groups
 
 
-def group_fingerprint(expected: Expected) -> str:
+def group_fingerprint(expected: Expected, kinds: Sequence[Kind] | None = None) -> str:
     """A digest of every kind's families of groups (rows in canonical order, with the
     backends, the sub-mesh shape and whether the family covers the world), as a set: kind
     names are left out, and so are derived kinds (no process group has them) and kinds the
     framework refuses.
 
     Two layouts with the same fingerprint build the same families of process groups; one may
-    call a family ``tp`` where the other calls it ``cp``.
+    call a family ``tp`` where the other calls it ``cp``. ``kinds``: ``process_group_kinds
+    (expected)`` where the caller has it already.
     """
     parts: list[bytes] = []
     seen: set[tuple[object, ...]] = set()
-    for kind in process_group_kinds(expected):
+    for kind in process_group_kinds(expected) if kinds is None else kinds:
         groups = kind.groups()
         # Kinds often share one family object (torchtitan's ~230 getters, ~60 views).
         same = (id(groups), kind.partition, kind.keyed_by_first, kind.mesh_shape, kind.backends)

@@ -116,9 +116,12 @@ def _span(sources: dict[str, Layout], answer: Layout) -> tuple[str, tuple[str, .
 
 def _follow(plan: _Plan, views: api._Views) -> dict[str, Kind]:
     sources = _sources(views)
-    made = [known_slice(sources[name], dims) for name, dims in plan.views]
+    # One kind per view the plan names; every call answered with that view is it renamed.
+    made = [
+        api.answer_kind(views, "", "", known_slice(sources[name], dims))
+        for name, dims in plan.views
+    ]
     return {
-        name: answer if isinstance(answer, Kind)
-        else api.answer_kind(views, name, description, made[answer])
+        name: answer if isinstance(answer, Kind) else made[answer].renamed(name, description)
         for name, description, answer in plan.calls
-    }  # fmt: skip
+    }
