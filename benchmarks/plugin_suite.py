@@ -87,7 +87,7 @@ def write_suite(root: Path) -> int:
     for i in range(3):
         parts.append(FIXTURE_BODY.format(i=i))
         count += 1
-    # Two more modules, so xdist has files to spread as a real suite has.
+    # One module: xdist's load scheduler hands its items to both workers.
     (root / "test_suite.py").write_text("\n".join(parts))
     return count
 
