@@ -87,6 +87,25 @@ def test_broken_layout_reports_each_violation() -> None:
         validate_invariants(_expected(kinds, roles))
 
 
+def test_kinds_sharing_a_family_each_report_its_partition_break() -> None:
+    """Kinds that share one family object (torchtitan's getters, ``Kind.renamed``) are each
+    checked: a family that is no partition is named under every kind that hands it out, and
+    the one that does not ask for a partition is not."""
+    holes = Kind("holes", "not a partition", Groups([(0, 1)]))
+    kinds = [
+        Kind("whole", "the world", Groups([tuple(range(8))])),
+        holes,
+        holes.renamed("holes again", "the same family under another name"),
+        Kind("holes, not asked", "no partition asked", holes.groups(), partition=False),
+    ]
+    found = find_violations(_expected(kinds, {}))
+    assert [(v.check, v.kind) for v in found] == [
+        ("partition", "holes"),
+        ("partition", "holes again"),
+    ]
+    assert kinds[2].groups() is holes.groups()
+
+
 def test_pipeline_neighbours_must_differ_only_in_stage() -> None:
     layout = Layout(pp=2, tp=2)
     good = _expected(
