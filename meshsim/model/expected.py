@@ -110,7 +110,8 @@ class Kind:
 
     def renamed(self, name: str, description: str) -> Kind:
         """This kind under another name: the same groups, worked out once for both
-        (torchtitan's getters hand out a few views under ~230 names)."""
+        (torchtitan's getters hand out a few views under ~230 names). Every field is spelled
+        out: ``dataclasses.replace`` made a world-1,024 torchtitan sweep's layouts ~10% slower."""
         return Kind(
             name,
             description,

@@ -281,16 +281,9 @@ def find_violations(expected: Expected) -> list[Violation]:
     """Run every invariant that applies to ``expected``; empty when all hold."""
     world = expected.world_size
     found: list[Violation] = []
-    verdicts: dict[int, bool] = {}  # kinds share family objects (torchtitan: ~230 on ~30)
     for name in expected.kinds():
         kind = expected.kind(name)
-        if not kind.partition:
-            continue
-        groups = kind.groups()
-        covers = verdicts.get(id(groups))
-        if covers is None:
-            covers = verdicts[id(groups)] = is_partition(groups, world)
-        if not covers:
+        if kind.partition and not is_partition(kind.groups(), world):
             found.append(
                 Violation("partition", name, "groups do not cover every rank exactly once")
             )
