@@ -26,6 +26,7 @@ fresh world. In every other case the world is destroyed, as before.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -38,6 +39,7 @@ from typing import Any
 from meshsim import torch_private
 from meshsim.harness import isolation, pickling, recorder, rendezvous, rng
 from meshsim.harness.context import RankContext, rank_context
+from meshsim.harness.graveyard import Graveyard
 from meshsim.harness.outcome import exception_fields
 
 #: Seconds between checks that the parent is still alive.
@@ -119,14 +121,18 @@ class _KeptWorld:
         torch_private.world().pg_map[self.pg] = (backend, dist.PrefixStore("groups/", job_store))
         del default_store
 
-    def end_job(self) -> None:
-        """Destroy every group but the world and reset the group counter, as a fresh world."""
+    def end_job(self, graveyard: Graveyard) -> None:
+        """Destroy every group but the world and reset the group counter, as a fresh world.
+        The gloo groups go to ``graveyard``, to be freed between jobs."""
         import torch.distributed as dist
 
         world = torch_private.world()
         for pg in list(world.pg_map):
             if pg is not self.pg:
+                gloo = dist.get_backend(pg) == "gloo"
                 dist.destroy_process_group(pg)
+                if gloo:
+                    graveyard.bury(pg)
         world.pg_map[self.pg] = self.entry
         world.group_count = 1
 
@@ -137,9 +143,10 @@ class _KeptWorld:
         return dist.is_initialized() and torch_private.default_group() is self.pg
 
 
-#: Threads that destroyed groups may keep alive before a collection frees them. Collecting
-#: after every job that left any made a world-8 test cost 633 ms instead of ~110 ms, so the
-#: collection waits until some have piled up. Threads a collection cannot free (groups a
+#: Threads that destroyed groups may keep alive before a full collection frees them. Each job
+#: ends with a young-generation one (see ``Worker.run_job``); what that misses (cycles promoted
+#: to the old generation) waits for this, since a full collection after every job made a
+#: world-8 test cost 633 ms instead of ~110 ms. Threads no collection can free (groups a
 #: framework's module globals still hold) retire the worker: the pool forks a fresh one. They
 #: are not harmless while idle: each gloo TCP loop thread wakes every 10 ms (its epoll_wait
 #: timeout), and workers that had kept ~500 of them each (the limit used to be raised to
@@ -167,18 +174,18 @@ def _release_groups() -> None:
     imported costs a few hundred ms, so what survives it is frozen: the next one walks only
     what later jobs allocated, and what is frozen lives as long as the worker anyway.
     """
-    import gc
-
     gc.collect()
     gc.freeze()
 
 
-def _threads_outlived(baseline: int | None) -> int:
+def _threads_outlived(baseline: int | None, graveyard: Graveyard) -> int:
     """Native threads above ``baseline`` + the spare that a collection cannot free (0 when
     within bounds, or where threads cannot be counted)."""
     if baseline is None or not _too_many_threads(baseline):
         return 0
     _release_groups()
+    graveyard.free()  # what only the collected cycles held
+    graveyard.wait()
     now = _native_threads()
     return now - baseline if now is not None and now > baseline + _SPARE_THREADS else 0
 
@@ -206,6 +213,7 @@ class Worker:
         self.baseline_torch: dict[tuple[str, str], int] = {}
         self.world: _KeptWorld | None = None
         self.job_base: Any = None
+        self.graveyard = Graveyard()
         #: An nccl worker sees the caller's GPUs; a gloo worker none (see ``meshsim.harness.pool``).
         self.gpus = os.environ.get("MESHSIM_WORKER_GPUS") == "1"  # pool.GPUS_ENV (no import circle)
         if not self.gpus:
@@ -299,6 +307,13 @@ class Worker:
         if problems and self.world is not None:
             self.drop_world()
             kept = False
+        # A young-generation collection breaks the cycles this job left (a sliced DeviceMesh,
+        # a framework's state) now, so the groups they held are freed between jobs, off the
+        # main thread, not by a collection inside a later job while its peers wait (world-8
+        # tests: median 96 ms and outliers to 0.8 s without it, 67 ms and none with it). A
+        # full collection would walk torch's whole heap: ~0.4 s a job.
+        gc.collect(1)
+        self.graveyard.free()
         self.send("done", problems, kept)
         return not problems
 
@@ -414,7 +429,7 @@ class Worker:
         keep = bool(marks) and marks[0].startswith("1:") and len(set(marks)) == 1
         try:
             if keep:
-                self.world.end_job()  # type: ignore[union-attr]
+                self.world.end_job(self.graveyard)  # type: ignore[union-attr]
             else:
                 self.world = None
                 if dist.is_initialized():
@@ -429,7 +444,7 @@ class Worker:
         kept = self.world.pg if self.world is not None else None
         problems = isolation.leftovers(kept=kept)
         baseline = self.world.threads if self.world is not None else self.boot_native_threads
-        outlived = _threads_outlived(baseline)
+        outlived = _threads_outlived(baseline, self.graveyard)
         if outlived:
             problems.append(
                 f"{outlived} native threads outlived their jobs (process groups something "

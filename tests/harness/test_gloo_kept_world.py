@@ -85,6 +85,40 @@ def test_groups_kept_alive_by_a_cycle_do_not_pile_up_threads() -> None:
     assert all(a[1] <= b[1] for a, b in zip(after, before)), (before, after)
 
 
+def collect() -> tuple[int, int]:
+    """A later job's collection: it frees the cycle, and with it the last hold on the groups
+    but the worker's (the groups themselves are freed between jobs, off the main thread)."""
+    import gc
+
+    gc.collect()
+    return world_age()
+
+
+def threads_once_at_most(limit: int) -> tuple[tuple[int, int], int]:
+    """This worker's thread count, once it is at most ``limit`` (given a minute to get there:
+    the groups are freed by threads the previous job's end started)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while len(os.listdir("/proc/self/task")) > limit and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return native_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_groups_in_a_cycle_are_freed_between_jobs_below_the_spare() -> None:
+    """A handful of groups in a cycle (far fewer threads than ``_SPARE_THREADS``): the worker
+    frees them itself once a collection broke the cycle, without retiring."""
+    before = run(native_threads, 2, "gloo", timeout=120)
+    made = run(groups_in_a_cycle, 2, "gloo", timeout=120, args=(4,))
+    collected = run(collect, 2, "gloo", timeout=120)
+    after = run(threads_once_at_most, 2, "gloo", timeout=120, args=(max(b[1] for b in before),))
+    pids = [b[0][0] for b in before]
+    assert [m[0] for m in made] == pids and [c[0] for c in collected] == pids
+    assert [a[0][0] for a in after] == pids  # the same workers, on the same kept world
+    assert all(a[1] <= b[1] for a, b in zip(after, before)), (before, after)
+
+
 def groups_held_by_a_module(count: int) -> tuple[int, int]:
     """Groups a framework's module globals still hold after the job (megatron-core's
     parallel_state does, until its next initialize): no collection can free their threads."""
