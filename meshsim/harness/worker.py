@@ -124,15 +124,11 @@ class _KeptWorld:
     def end_job(self, graveyard: Graveyard) -> None:
         """Destroy every group but the world and reset the group counter, as a fresh world.
         The gloo groups go to ``graveyard``, to be freed between jobs."""
-        import torch.distributed as dist
 
         world = torch_private.world()
         for pg in list(world.pg_map):
             if pg is not self.pg:
-                gloo = dist.get_backend(pg) == "gloo"
-                dist.destroy_process_group(pg)
-                if gloo:
-                    graveyard.bury(pg)
+                _destroy(graveyard, pg)
         world.pg_map[self.pg] = self.entry
         world.group_count = 1
 
@@ -141,6 +137,19 @@ class _KeptWorld:
         import torch.distributed as dist
 
         return dist.is_initialized() and torch_private.default_group() is self.pg
+
+
+def _destroy(graveyard: Graveyard, group: Any = None) -> None:
+    """``destroy_process_group(group)`` (None: the world, and with it every group), the gloo
+    groups going to ``graveyard`` to be freed between jobs (an nccl group is freed as usual)."""
+    import torch.distributed as dist
+
+    pg_map = torch_private.world().pg_map
+    doomed = list(pg_map) if group is None else [group]
+    gloo = [pg for pg in doomed if dist.get_backend(pg) == "gloo"]
+    dist.destroy_process_group(group)
+    for pg in gloo:
+        graveyard.bury(pg)
 
 
 #: Threads that destroyed groups may keep alive before a full collection frees them. Each job
@@ -334,11 +343,10 @@ class Worker:
 
     def drop_world(self) -> None:
         """Destroy the kept world (its peers drop theirs when they next get a job)."""
-        import torch.distributed as dist
 
         world, self.world = self.world, None
         if world is not None and world.current():
-            dist.destroy_process_group()
+            _destroy(self.graveyard)
 
     def run_body(self, spec: dict[str, Any], store: Any, sink: recorder.StreamSink) -> dict:
         import torch
@@ -424,6 +432,12 @@ class Worker:
             left = max(1.0, deadline + TEARDOWN_MARGIN_S - time.monotonic())
             store.wait(keys, timedelta(seconds=left))
             marks = [store.get(k).decode() for k in keys]
+            # Rank 0 serves the world's store and may leave the pool right after this job (a
+            # problem found below retires it): it waits until every rank has read the marks,
+            # or a slower peer's reads would find the store gone.
+            store.set(f"meshsim/read/{rank}", "1")
+            if rank == 0:
+                store.wait([f"meshsim/read/{r}" for r in range(world)], timedelta(seconds=left))
         except Exception as exc:
             problems.append(f"teardown: the other ranks did not finish ({exc})")
         keep = bool(marks) and marks[0].startswith("1:") and len(set(marks)) == 1
@@ -433,7 +447,7 @@ class Worker:
             else:
                 self.world = None
                 if dist.is_initialized():
-                    dist.destroy_process_group()
+                    _destroy(self.graveyard)
         except Exception as exc:
             problems.append(f"teardown: destroy_process_group failed ({exc})")
             keep = False
