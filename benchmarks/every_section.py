@@ -22,6 +22,7 @@ from _common import ROOT, job_free_env, loadavg, machine, machine_line
 #: (name, sections, command): the commands ``docs/performance.md`` names, in its order.
 COMMANDS = (
     ("run_quick", "1, 2, 4 (per layout), 5, 6", ["run.py", "--quick"]),
+    ("gloo_churn", "1.1", ["gloo_churn.py"]),
     ("fake_scale", "3", ["fake_scale.py", "--worlds", "1024"]),
     ("sweep_scale", "4 (whole sweeps)", ["sweep_scale.py"]),
     ("cli_output", "7", ["cli_output.py"]),
