@@ -379,7 +379,12 @@ def _tail(text: str, lines: int = 30) -> str:
 
 
 def _faulthandler_to_text(dump: str) -> str:
-    """The worker's thread stacks from faulthandler, minus the harness's own watcher thread,
-    in the threaded tier's form (``sites.as_traceback``: most recent call last, with source)."""
-    blocks = [b for b in dump.strip().split("\n\n") if "_watch_parent" not in b]
+    """The worker's thread stacks from faulthandler, minus the harness's own threads (its
+    parent watcher, a graveyard thread freeing an earlier job's groups), in the threaded
+    tier's form (``sites.as_traceback``: most recent call last, with source)."""
+    blocks = [
+        b
+        for b in dump.strip().split("\n\n")
+        if "_watch_parent" not in b and "graveyard.py" not in b
+    ]
     return trim_stack_text(as_traceback("\n\n".join(blocks)))

@@ -22,6 +22,8 @@ from typing import Any
 
 #: How long :meth:`Graveyard.wait` waits for the groups being freed.
 FREE_TIMEOUT_S = 30.0
+#: Threads one :meth:`Graveyard.free` starts at most; more groups share them, in turn.
+THREADS = 16
 
 
 def _refcounts(items: list[Any]) -> list[int]:
@@ -44,10 +46,11 @@ class Graveyard:
         self._buried.append(group)
 
     def free(self) -> int:
-        """Start freeing, each in its own thread, the buried groups nothing else holds; the
-        others (a cycle not yet collected, a framework's global) stay buried. Returns how
-        many it started. The threads are ``_thread``'s, invisible to ``threading.enumerate``:
-        the check for threads a rank's body left running must not see them."""
+        """Start freeing the buried groups nothing else holds, in up to ``THREADS`` threads
+        at once; the others (a cycle not yet collected, a framework's global) stay buried.
+        Returns how many it started on. The threads are ``_thread``'s, invisible to
+        ``threading.enumerate``: the check for threads a rank's body left running must not
+        see them."""
         self._freeing = [lock for lock in self._freeing if lock.locked()]
         buried, self._buried = self._buried, []
         boxes: list[list[Any]] = []
@@ -56,13 +59,21 @@ class Graveyard:
                 boxes.append([buried[index]])
             else:
                 self._buried.append(buried[index])
-        del buried  # each box now holds its group's last reference, for its thread to drop
-        for box in boxes:
+        del buried  # each box now holds its group's last reference, for a thread to drop
+        started = 0
+        for chunk in (boxes[i::THREADS] for i in range(min(len(boxes), THREADS))):
             done = _thread.allocate_lock()
             done.acquire()
+            try:
+                _thread.start_new_thread(_drop, (chunk, done))
+            except RuntimeError:  # no thread to be had (a pids limit): the next call retries
+                done.release()
+                for box in chunk:
+                    self._buried.extend(box)
+                continue
             self._freeing.append(done)
-            _thread.start_new_thread(_drop, (box, done))
-        return len(boxes)
+            started += len(chunk)
+        return started
 
     def wait(self, timeout: float = FREE_TIMEOUT_S) -> bool:
         """Wait until every group :meth:`free` started on is freed; False on timeout."""
@@ -78,9 +89,10 @@ class Graveyard:
         return len(self._buried)
 
 
-def _drop(box: list[Any], done: Any) -> None:
-    """Drop the one reference to a group: torch destroys it here, without the GIL."""
+def _drop(boxes: list[list[Any]], done: Any) -> None:
+    """Drop the one reference to each group: torch destroys it here, without the GIL."""
     try:
-        box.clear()
+        for box in boxes:
+            box.clear()
     finally:
         done.release()

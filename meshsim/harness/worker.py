@@ -46,6 +46,8 @@ from meshsim.harness.outcome import exception_fields
 ORPHAN_POLL_S = 0.5
 #: How long past the run's deadline a finished rank waits for its peers in teardown.
 TEARDOWN_MARGIN_S = 30.0
+#: How long rank 0 waits, at most, for its peers to read the finish marks from its store.
+READ_WAIT_S = 10.0
 
 
 def _watch_parent(parent: int) -> None:
@@ -192,9 +194,12 @@ def _threads_outlived(baseline: int | None, graveyard: Graveyard) -> int:
     within bounds, or where threads cannot be counted)."""
     if baseline is None or not _too_many_threads(baseline):
         return 0
-    _release_groups()
-    graveyard.free()  # what only the collected cycles held
+    graveyard.free()  # groups only the graveyard holds: their threads are on their way out
     graveyard.wait()
+    if _too_many_threads(baseline):
+        _release_groups()
+        graveyard.free()  # what only the collected cycles held
+        graveyard.wait()
     now = _native_threads()
     return now - baseline if now is not None and now > baseline + _SPARE_THREADS else 0
 
@@ -312,17 +317,18 @@ class Worker:
         os.environ.update(saved_env)
         sys.path[:] = saved_path
         os.chdir(saved_cwd)
+        # A young-generation collection breaks the cycles this job left (a sliced DeviceMesh,
+        # a framework's state) unless they grew old during the job, so the groups they held
+        # are freed between jobs, off the main thread, not by a collection inside a later
+        # job while its peers wait (world-8 tests: median 96 ms and outliers to 0.8 s without
+        # it, 67 ms and none with it). A full collection would walk torch's whole heap: ~0.4
+        # s a job. What grew old goes when a later collection frees it.
+        gc.collect(1)
+        self.graveyard.free()
         problems += self.leftovers()
         if problems and self.world is not None:
             self.drop_world()
             kept = False
-        # A young-generation collection breaks the cycles this job left (a sliced DeviceMesh,
-        # a framework's state) now, so the groups they held are freed between jobs, off the
-        # main thread, not by a collection inside a later job while its peers wait (world-8
-        # tests: median 96 ms and outliers to 0.8 s without it, 67 ms and none with it). A
-        # full collection would walk torch's whole heap: ~0.4 s a job.
-        gc.collect(1)
-        self.graveyard.free()
         self.send("done", problems, kept)
         return not problems
 
@@ -333,6 +339,9 @@ class Worker:
         if self.world is not None and self.world.id != spec["world_id"]:
             self.drop_world()
         if self.world is None:
+            # A new world counts its threads as its baseline: none of an old group's first.
+            self.graveyard.free()
+            self.graveyard.wait()
             base = rendezvous.world_store(
                 spec["world_dir"], spec["rank"], spec["world_size"], spec["timeout"] + 30
             )
@@ -431,12 +440,15 @@ class Worker:
             # teardown (a rank giving up would break its peers' collectives mid-report).
             left = max(1.0, deadline + TEARDOWN_MARGIN_S - time.monotonic())
             store.wait(keys, timedelta(seconds=left))
-            marks = [store.get(k).decode() for k in keys]
+            try:
+                marks = [store.get(k).decode() for k in keys]
+            finally:
+                store.set(f"meshsim/read/{rank}", "1")
             # Rank 0 serves the world's store and may leave the pool right after this job (a
             # problem found below retires it): it waits until every rank has read the marks,
             # or a slower peer's reads would find the store gone.
-            store.set(f"meshsim/read/{rank}", "1")
             if rank == 0:
+                left = min(READ_WAIT_S, max(1.0, deadline + TEARDOWN_MARGIN_S - time.monotonic()))
                 store.wait([f"meshsim/read/{r}" for r in range(world)], timedelta(seconds=left))
         except Exception as exc:
             problems.append(f"teardown: the other ranks did not finish ({exc})")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from meshsim.harness.graveyard import Graveyard
 
 #: Generous bound for a freeing thread to run; only a broken graveyard waits this long.
@@ -80,3 +82,38 @@ def test_wait_reports_a_destructor_that_does_not_finish() -> None:
     release.set()
     assert graveyard.wait()
     assert len(freed) == 1
+
+
+def test_many_groups_share_a_bounded_number_of_threads() -> None:
+    from meshsim.harness.graveyard import THREADS
+
+    freed: list[int] = []
+    release = threading.Event()
+    graveyard = Graveyard()
+    for _ in range(3 * THREADS + 1):
+        graveyard.bury(Group(freed, release))
+    assert graveyard.free() == 3 * THREADS + 1
+    release.set()
+    assert graveyard.wait()
+    assert len(freed) == 3 * THREADS + 1
+    assert len(set(freed)) == THREADS and threading.get_ident() not in freed
+
+
+def test_groups_stay_buried_when_no_thread_can_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pids limit reached: nothing is freed, nothing waits, and the next call retries."""
+    from meshsim.harness import graveyard as module
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    freed: list[int] = []
+    graveyard = Graveyard()
+    graveyard.bury(Group(freed))
+    monkeypatch.setattr(module._thread, "start_new_thread", refuse)
+    assert graveyard.free() == 0
+    assert graveyard.wait(timeout=0.01)  # no lock left held
+    assert freed == [] and len(graveyard) == 1
+    monkeypatch.undo()
+    assert graveyard.free() == 1
+    assert graveyard.wait()
+    assert len(freed) == 1 and freed[0] != threading.get_ident()
