@@ -5,6 +5,8 @@ a 3-D mesh, a slice, a flatten, an all-gather), each test's wall time, to show t
 not only the median: a test that pays for freeing earlier tests' groups is an outlier.
 ``cycles``: jobs at worlds 4 and 8 alternately that build 1 to 7 groups and a 2-D mesh and
 leave them in a reference cycle (as frameworks and a sliced ``DeviceMesh`` do); the total.
+``held``: world-2 jobs that each replace 20 groups a module global holds (as megatron-core's
+``parallel_state`` does until its next initialize); the median and the total.
 
     python benchmarks/gloo_churn.py [--quick] [--json out.json]
 
@@ -41,6 +43,15 @@ def groups_in_a_cycle(count: int) -> int:
     return dist.get_rank()
 
 
+def groups_in_a_global(count: int) -> int:
+    import json
+
+    import torch.distributed as dist
+
+    json._meshsim_churn_groups = [dist.new_group([0, 1]) for _ in range(count)]  # type: ignore[attr-defined]
+    return dist.get_rank()
+
+
 def run(quick: bool) -> dict[str, Any]:
     from meshsim.harness import run as run_ranks
     from meshsim.harness import shutdown
@@ -59,6 +70,11 @@ def run(quick: bool) -> dict[str, Any]:
         ranks = run_ranks(groups_in_a_cycle, world, "gloo", timeout=300, args=(1 + i % 7,))
         assert ranks == list(range(world))
     cycles = time.perf_counter() - start
+    held = []
+    for _ in range(jobs // 5):
+        start = time.perf_counter()
+        run_ranks(groups_in_a_global, 2, "gloo", timeout=300, args=(20,))
+        held.append(time.perf_counter() - start)
     shutdown()
     ordered = sorted(walls)
     return {
@@ -72,11 +88,13 @@ def run(quick: bool) -> dict[str, Any]:
             "walls_s": walls,
         },
         "cycles": {"n": jobs, "total_s": cycles},
+        "held": {"n": len(held), "median_s": statistics.median(held), "total_s": sum(held)},
     }
 
 
 def render(result: dict[str, Any]) -> str:
-    t, c = result["tests"], result["cycles"]
+    t, c, h = result["tests"], result["cycles"], result["held"]
+    median = fmt_s(h["median_s"])
     rows = [
         [
             f"{t['n']} world-8 tests",
@@ -86,6 +104,7 @@ def render(result: dict[str, Any]) -> str:
             fmt_s(t["total_s"]),
         ],
         [f"{c['n']} jobs, groups in cycles", "", "", "", fmt_s(c["total_s"])],
+        [f"{h['n']} jobs, 20 groups in a global", median, "", "", fmt_s(h["total_s"])],
     ]
     table = md_table(["run", "median", "p90", "max", "total"], rows)
     return f"{table}\n\nLoad average (1 min) at the start: {result['load_average']:.1f}."
