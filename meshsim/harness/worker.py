@@ -126,7 +126,6 @@ class _KeptWorld:
     def end_job(self, graveyard: Graveyard) -> None:
         """Destroy every group but the world and reset the group counter, as a fresh world.
         The gloo groups go to ``graveyard``, to be freed between jobs."""
-
         world = torch_private.world()
         for pg in list(world.pg_map):
             if pg is not self.pg:
@@ -352,7 +351,6 @@ class Worker:
 
     def drop_world(self) -> None:
         """Destroy the kept world (its peers drop theirs when they next get a job)."""
-
         world, self.world = self.world, None
         if world is not None and world.current():
             _destroy(self.graveyard)
@@ -434,12 +432,15 @@ class Worker:
             mark = f"1:{torch_private.sequence_number(self.world.pg)}"  # type: ignore[union-attr]
         keys = [f"meshsim/finished/{r}" for r in range(world)]
         marks: list[str] = []
-        try:
-            store.set(keys[rank], mark)
+
+        def left() -> timedelta:
             # Past the run's deadline: the parent stops a late job, never the ranks' own
             # teardown (a rank giving up would break its peers' collectives mid-report).
-            left = max(1.0, deadline + TEARDOWN_MARGIN_S - time.monotonic())
-            store.wait(keys, timedelta(seconds=left))
+            return timedelta(seconds=max(1.0, deadline + TEARDOWN_MARGIN_S - time.monotonic()))
+
+        try:
+            store.set(keys[rank], mark)
+            store.wait(keys, left())
             try:
                 marks = [store.get(k).decode() for k in keys]
             finally:
@@ -448,8 +449,8 @@ class Worker:
             # problem found below retires it): it waits until every rank has read the marks,
             # or a slower peer's reads would find the store gone.
             if rank == 0:
-                left = min(READ_WAIT_S, max(1.0, deadline + TEARDOWN_MARGIN_S - time.monotonic()))
-                store.wait([f"meshsim/read/{r}" for r in range(world)], timedelta(seconds=left))
+                reads = [f"meshsim/read/{r}" for r in range(world)]
+                store.wait(reads, min(left(), timedelta(seconds=READ_WAIT_S)))
         except Exception as exc:
             problems.append(f"teardown: the other ranks did not finish ({exc})")
         keep = bool(marks) and marks[0].startswith("1:") and len(set(marks)) == 1
